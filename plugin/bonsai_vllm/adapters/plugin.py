@@ -1,0 +1,24 @@
+"""Entry point of the `vllm.general_plugins` group: vLLM calls `register()` in every process it starts.
+
+vLLM runs general plugins in the API server, the engine core and each worker, possibly more than once per
+process, so `register()` must be idempotent and cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+# A child of vLLM's logger, so our lines appear in the server log with vLLM's format and level.
+logger = logging.getLogger("vllm.bonsai")
+
+_registered = False
+
+
+def register() -> None:
+    """Register everything the plugin adds to vLLM (once per process)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    logger.info("bonsai_vllm plugin loaded (pid %d)", os.getpid())

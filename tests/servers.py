@@ -1,0 +1,110 @@
+"""Start and stop real vLLM OpenAI servers on this CPU machine for the tests.
+
+`VllmServer` runs `python -m vllm.entrypoints.openai.api_server` in its own process group, waits for
+`/health`, and always kills the whole group (API server, engine core, workers) on exit. Its log goes to a
+file so a failing test can show it (see `conftest.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+# Servers alive right now, so the failure hook in conftest.py can attach their logs to a failing test.
+RUNNING: list["VllmServer"] = []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerFailed(RuntimeError):
+    pass
+
+
+class VllmServer:
+    """One vLLM OpenAI-compatible server. Use as a context manager."""
+
+    def __init__(self, model: Path | str, args: list[str] | None = None, *, env: dict[str, str] | None = None,
+                 log_path: Path | None = None, served_name: str = "tiny", startup_timeout: float = 300.0):
+        self.model = str(model)
+        self.args = list(args or [])
+        self.served_name = served_name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout = startup_timeout
+        self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-test-{self.port}.log")
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", self.model, "--served-model-name", self.served_name,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                # On CPU this fraction sizes the KV space out of host memory; small keeps several servers
+                # and the test process within this 24 GiB machine.
+                "--gpu-memory-utilization", "0.1",
+                "--max-model-len", "2048",
+                *self.args]
+
+    def start(self) -> "VllmServer":
+        self.log_file = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.command(), stdout=self.log_file, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        RUNNING.append(self)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerFailed(f"vLLM exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise ServerFailed(f"vLLM not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            # The engine core and workers are children in the same process group: end them all.
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        # Children that outlived the leader (a stuck worker) still belong to the group.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log_file.close()
+        if self in RUNNING:
+            RUNNING.remove(self)
+        self.proc = None
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return "(no log)"
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
