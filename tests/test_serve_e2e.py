@@ -7,7 +7,7 @@ import openai
 import pytest
 import requests
 
-from servers import VllmServer
+from bonsai_vllm.devserver import VllmServer
 
 PROMPT = "After Monday comes"
 

@@ -1,4 +1,4 @@
-"""Start and stop real vLLM OpenAI servers on this CPU machine for the tests.
+"""Start and stop a real vLLM OpenAI server on a machine without GPUs (the tests, `make demo`).
 
 `VllmServer` runs `python -m vllm.entrypoints.openai.api_server` in its own process group, waits for
 `/health`, and always kills the whole group (API server, engine core, workers) on exit. Its log goes to a
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import requests
 
-# Servers alive right now, so the failure hook in conftest.py can attach their logs to a failing test.
+# Servers alive right now, so the tests' failure hook can attach their logs to a failing test.
 RUNNING: list["VllmServer"] = []
 
 
@@ -35,11 +35,12 @@ class VllmServer:
     """One vLLM OpenAI-compatible server. Use as a context manager."""
 
     def __init__(self, model: Path | str, args: list[str] | None = None, *, env: dict[str, str] | None = None,
-                 log_path: Path | None = None, served_name: str = "tiny", startup_timeout: float = 300.0):
+                 log_path: Path | None = None, served_name: str = "tiny", startup_timeout: float = 300.0,
+                 port: int | None = None):
         self.model = str(model)
         self.args = list(args or [])
         self.served_name = served_name
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-test-{self.port}.log")
