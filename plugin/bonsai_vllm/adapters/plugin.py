@@ -21,4 +21,9 @@ def register() -> None:
     if _registered:
         return
     _registered = True
+    # Importing the module registers `prism_ternary` with vLLM's quantization registry.
+    from bonsai_vllm.adapters import quantization  # noqa: F401
+    from bonsai_vllm.adapters.loading import patch_qwen3_5_loader
+
+    patch_qwen3_5_loader()
     logger.info("bonsai_vllm plugin loaded (pid %d)", os.getpid())

@@ -150,11 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same files (default 0)")
     parser.add_argument("--layers", type=int, default=TinyShape.num_hidden_layers,
                         help="number of layers, a multiple of 4 for the [GDN×3, attention] pattern (default 4)")
+    parser.add_argument("--ternary", action="store_true",
+                        help="then convert it in place to the vLLM prism_ternary format (bonsai-convert, "
+                             "sign vectors seeded by --seed): OUT_DIR is replaced by the ternary checkpoint")
     args = parser.parse_args(argv)
     if args.layers < 4 or args.layers % 4:
         parser.error(f"--layers must be a positive multiple of 4, got {args.layers}")
     out = write_tiny(args.out_dir, seed=args.seed, shape=TinyShape(num_hidden_layers=args.layers))
-    print(f"wrote tiny Qwen3.5-hybrid model to {out}")
+    if args.ternary:
+        from bonsai_vllm.core.convert import convert_to_ternary
+
+        convert_to_ternary(out, out, seed=args.seed, overwrite=True)
+    print(f"wrote tiny Qwen3.5-hybrid {'prism_ternary ' if args.ternary else ''}model to {out}")
     return 0
 
 
