@@ -106,18 +106,18 @@ def test_broken_signs_are_caught(checkpoints, dense_server, noise_floor):
     assert diff.mean > 5 * mean_tol, f"a wrong sign vector went unnoticed: {diff}"
 
 
-def test_greedy_tokens_identical_where_decisive(ternary_server, dense_server, noise_floor):
-    ids_t, _ = greedy_tokens(ternary_server.url, "After Monday comes", 40)
-    ids_d, margins = greedy_tokens(dense_server.url, "After Monday comes", 40)
-    # Positions whose top-1/top-2 margin is wider than any logprob difference seen in the noise floor
-    # cannot flip; compare up to the first indecisive one (and all of them on a decisive model).
-    _, max_tol = tolerance(noise_floor)
-    decisive = 0
-    for a, b, margin in zip(ids_t, ids_d, margins):
-        if margin < 2 * max_tol:
-            break
-        assert a == b
-        decisive += 1
-    print(f"\ngreedy: {decisive} decisive tokens identical; margins {[round(m, 3) for m in margins[:8]]}")
-    if decisive < 32:
-        pytest.skip(f"only {decisive} leading tokens are decisive on this random model (needs a trained one)")
+COUNTING = "Counting up: " + " ".join(str(i) for i in range(1, 30))
+
+
+def test_greedy_tokens_identical_where_decisive(ternary_server, dense_server):
+    # The session's tiny model is briefly trained on a corpus with this counting line, so even after
+    # ternary quantization it continues the count decisively.
+    ids_t, _ = greedy_tokens(ternary_server.url, COUNTING, 32)
+    ids_d, margins = greedy_tokens(dense_server.url, COUNTING, 32)
+    # If the two servers' logprobs differ by at most δ per token (measured on the fixed texts), a greedy
+    # token can only flip where its top-1/top-2 margin is below 2δ. Every one of the 32 must be wider than
+    # that, and then all must be identical.
+    delta = logprob_difference(ternary_server.url, dense_server.url).max
+    print(f"\ngreedy: smallest top-1/top-2 margin {min(margins):.3f}, flip threshold 2δ = {2 * delta:.3f}")
+    assert min(margins) > 2 * delta, f"the tiny model is not decisive on the counting prompt: {margins}"
+    assert ids_t == ids_d

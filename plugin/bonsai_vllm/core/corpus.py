@@ -36,6 +36,8 @@ def _sentences(rng: random.Random) -> list[str]:
         colour, animal = rng.choice(_COLOURS), rng.choice(_ANIMALS)
         out.append(f"The {colour} {animal} sleeps under the {rng.choice(_COLOURS)} tree.")
     out.append("Counting: " + " ".join(_NUMBERS) + ".")
+    # A long fixed sequence: a trained tiny model continues it decisively for dozens of tokens.
+    out.append("Counting up: " + " ".join(str(i) for i in range(1, 70)) + ".")
     out.append("Days: " + ", ".join(_DAYS) + ".")
     out.append("def add(a, b):\n    return a + b\n")
     out.append('{"model": "bonsai", "messages": [{"role": "user", "content": "hello"}]}')

@@ -120,8 +120,35 @@ def make_config(shape: TinyShape, vocab_size: int, eos_id: int, pad_id: int):
     return config
 
 
-def write_tiny(out_dir: Path, seed: int = 0, shape: TinyShape = TinyShape()) -> Path:
-    """Write tokenizer, config and random bf16 weights to `out_dir` (created). Returns `out_dir`."""
+def train_briefly(model, tokenizer, steps: int, seed: int, batch: int = 8, length: int = 64,
+                  lr: float = 3e-3) -> float:
+    """A few AdamW steps on the corpus so that predictions on its fixed sequences become decisive.
+
+    A random model's top logits are nearly tied, so any rounding flips its greedy tokens; tests that want
+    to compare greedy text need a model that has memorised something (counting, weekdays). Returns the
+    last loss.
+    """
+    from tqdm import tqdm
+
+    ids = torch.tensor(tokenizer("\n".join(corpus(seed)))["input_ids"])  # [corpus tokens]
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss = float("nan")
+    for _ in tqdm(range(steps), desc="training tiny model", unit="step", disable=None):
+        starts = torch.randint(0, len(ids) - length - 1, (batch,), generator=gen)
+        x = torch.stack([ids[i:i + length] for i in starts.tolist()])  # [batch, length]
+        out = model(input_ids=x, labels=x)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = out.loss.item()
+    model.eval()
+    return loss
+
+
+def write_tiny(out_dir: Path, seed: int = 0, shape: TinyShape = TinyShape(), train_steps: int = 0) -> Path:
+    """Write tokenizer, config and bf16 weights (random, or briefly trained) to `out_dir`. Returns it."""
     from transformers import Qwen3_5ForCausalLM
 
     shape.check()
@@ -133,7 +160,10 @@ def write_tiny(out_dir: Path, seed: int = 0, shape: TinyShape = TinyShape()) -> 
     config = make_config(shape, vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen3_5ForCausalLM(config)  # float32 while training, bf16 on disk like the real checkpoint
+    if train_steps:
+        train_briefly(model, tokenizer, train_steps, seed)
+    model = model.to(torch.bfloat16)
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
@@ -150,13 +180,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same files (default 0)")
     parser.add_argument("--layers", type=int, default=TinyShape.num_hidden_layers,
                         help="number of layers, a multiple of 4 for the [GDN×3, attention] pattern (default 4)")
+    parser.add_argument("--train-steps", type=int, default=0,
+                        help="train this many AdamW steps on the built-in corpus first, so greedy predictions "
+                             "on its fixed sequences are decisive (about 1.5 s a step on 2 CPU cores; default 0)")
     parser.add_argument("--ternary", action="store_true",
                         help="then convert it in place to the vLLM prism_ternary format (bonsai-convert, "
                              "sign vectors seeded by --seed): OUT_DIR is replaced by the ternary checkpoint")
     args = parser.parse_args(argv)
     if args.layers < 4 or args.layers % 4:
         parser.error(f"--layers must be a positive multiple of 4, got {args.layers}")
-    out = write_tiny(args.out_dir, seed=args.seed, shape=TinyShape(num_hidden_layers=args.layers))
+    out = write_tiny(args.out_dir, seed=args.seed, shape=TinyShape(num_hidden_layers=args.layers),
+                     train_steps=args.train_steps)
     if args.ternary:
         from bonsai_vllm.core.convert import convert_to_ternary
 
