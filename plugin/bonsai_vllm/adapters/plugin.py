@@ -23,7 +23,9 @@ def register() -> None:
     _registered = True
     # Importing the module registers `prism_ternary` with vLLM's quantization registry.
     from bonsai_vllm.adapters import quantization  # noqa: F401
+    from bonsai_vllm.adapters.allreduce import patch_tp_all_reduce
     from bonsai_vllm.adapters.loading import patch_qwen3_5_loader
 
     patch_qwen3_5_loader()
+    patch_tp_all_reduce()
     logger.info("bonsai_vllm plugin loaded (pid %d)", os.getpid())
