@@ -54,6 +54,15 @@ def logprob_difference(url_a: str, url_b: str, texts: list[str] = TEXTS) -> Diff
     return Difference(mean=sum(diffs) / len(diffs), max=max(diffs), tokens=len(diffs))
 
 
+def tolerance(floor: Difference) -> tuple[float, float]:
+    """(mean, max) |Δlogprob| allowed between two configurations that should compute the same function.
+
+    Our ternary maths runs in float32 and rounds once to bf16, the dense twin rounds its weights to bf16:
+    they may differ by a few times the bf16 noise floor, never by more.
+    """
+    return 4 * floor.mean + 0.01, 4 * floor.max + 0.05
+
+
 def greedy_tokens(url: str, prompt: str, n: int, model: str = "tiny") -> tuple[list[int], list[float]]:
     """Greedy token ids and, for each, the margin between the top-1 and top-2 logprob."""
     r = requests.post(url + "/v1/completions", timeout=300, json={

