@@ -32,7 +32,42 @@ PROXY_PORT ?= $(PORT)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy doctor host lan lan-remove
+.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy doctor host lan lan-remove \
+	up down logs ps keys reload-keys
+
+COMPOSE ?= docker compose
+
+up: .env proxy/keys ## start the stack on the GPU PC: model-fetch, vLLM (TP=2), gateway, Open WebUI
+	$(COMPOSE) up -d --build
+	@echo ""
+	@echo "Starting. The first start downloads the model (~12 GB) and compiles kernels: follow with 'make logs'."
+	@echo "  Open WebUI:  http://127.0.0.1:$${WEBUI_PORT:-3000}"
+	@echo "  API:         http://127.0.0.1:$${PROXY_PORT:-8080}/v1   (keys in proxy/keys; 'make keys' adds one)"
+
+down: ## stop the stack (volumes and the downloaded model are kept)
+	$(COMPOSE) down
+
+logs: ## follow the stack's logs
+	$(COMPOSE) logs -f --tail=100
+
+ps: ## show the stack's services and their health
+	$(COMPOSE) ps
+
+.env:
+	@cp .env.example .env
+	@echo ">> created .env from .env.example; review it (HF_TOKEN, ports, knobs)"
+
+proxy/keys:
+	@echo ">> no proxy/keys yet: creating keys for Open WebUI (priority 0) and agents (priority 5)"
+	@proxy/add-key openwebui 0
+	@proxy/add-key agents 5 concurrent=8
+
+keys: ## add an API key: make keys SOURCE=agents PRIORITY=5 [OPTS=concurrent=8]
+	@test -n "$(SOURCE)" -a -n "$(PRIORITY)" || { echo "usage: make keys SOURCE=<name> PRIORITY=<n> [OPTS='rpm=60']"; exit 2; }
+	proxy/add-key $(SOURCE) $(PRIORITY) $(OPTS)
+
+reload-keys: ## make the running gateway re-read proxy/keys (connections stay open)
+	$(COMPOSE) exec proxy openresty -s reload
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \

