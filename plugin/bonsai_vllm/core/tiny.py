@@ -9,6 +9,15 @@ The tests cannot download the 27B, so they serve a model that has its *shapes wh
 
 It comes with a byte-level BPE tokenizer trained on `corpus.py` and a Qwen-style chat template, and is
 deterministic for a given `--seed`.
+
+Two optional parts make it look like the published multimodal checkpoint (model-fetch tests need both):
+- `--mtp`: a one-layer multi-token-prediction head under `mtp.*` (bf16, HF names: `mtp.fc`,
+  `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.layers.0.*` a full-attention layer, `mtp.norm`), the drafter
+  vLLM's `Qwen3_5MTP` loads;
+- `--vision`: a tiny vision tower (depth 2, hidden 128; `TinyVision`) under `model.visual.*`, the language
+  model then under `model.language_model.*`, a multimodal `qwen3_5` config (`Qwen3_5ForConditionalGeneration`
+  with `text_config` / `vision_config`), the vision special tokens and an image processor config. The vision
+  tower is never ternary, so its widths need not be multiples of 1024.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from bonsai_vllm.core.corpus import corpus
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>"]
+# Added only with a vision tower (appended, so the ids of the text-only tokenizer do not move).
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # Qwen-style ChatML template, written for these tests: system/user/assistant/tool turns and the generation
 # prompt. Enough for vLLM's chat endpoint; the real model ships its own template.
@@ -43,6 +54,13 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# The same template with image parts rendered as Qwen's vision placeholder (vLLM expands the pad token
+# into one token per merged patch); only the multimodal tiny model ships it.
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}",
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- endif %}")
 
 
 @dataclass(frozen=True)
@@ -75,7 +93,21 @@ class TinyShape:
                                  "ternary layers need every input width to be one")
 
 
-def train_tokenizer(out_dir: Path, vocab_target: int, seed: int):
+@dataclass(frozen=True)
+class TinyVision:
+    """Sizes of the tiny vision tower (Qwen3.5's ViT: 27 blocks of 1152 in the real model)."""
+
+    depth: int = 2
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_heads: int = 2
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 256  # a 16 × 16 grid of learned positions
+
+
+def train_tokenizer(out_dir: Path, vocab_target: int, seed: int, *, vision: bool = False):
     """Train a byte-level BPE on the generated corpus; save it with a chat template. Returns the tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -83,13 +115,14 @@ def train_tokenizer(out_dir: Path, vocab_target: int, seed: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_target, special_tokens=SPECIAL_TOKENS,
+    specials = SPECIAL_TOKENS + (VISION_TOKENS if vision else [])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_target, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", unk_token=None)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 
@@ -147,14 +180,68 @@ def train_briefly(model, tokenizer, steps: int, seed: int, batch: int = 8, lengt
     return loss
 
 
-def write_tiny(out_dir: Path, seed: int = 0, shape: TinyShape = TinyShape(), train_steps: int = 0) -> Path:
-    """Write tokenizer, config and bf16 weights (random, or briefly trained) to `out_dir`. Returns it."""
+def make_mtp_tensors(config, seed: int) -> dict[str, torch.Tensor]:
+    """A random one-layer MTP head for a text config, bf16, under the checkpoint's `mtp.*` names.
+
+    Layout of Qwen3.5's drafter (vLLM `Qwen3_5MultiTokenPredictor`): `fc` [hidden, 2·hidden] over the
+    concatenated normed embedding and hidden state, a full-attention decoder layer, a final norm.
+    """
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+
+    full = config.layer_types.index("full_attention")  # the layer index only picks the layer kind
+    torch.manual_seed(seed)
+    layer = Qwen3_5DecoderLayer(config, layer_idx=full)
+    hidden = config.hidden_size
+    tensors = {f"mtp.layers.0.{k}": v for k, v in layer.state_dict().items()}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norm = Qwen3_5RMSNorm(hidden, eps=config.rms_norm_eps)
+        # Norms initialise to zero (Qwen3.5 scales by 1 + w); a little noise tells two heads apart.
+        tensors[f"mtp.{name}.weight"] = norm.weight.detach() + 0.01 * torch.randn(hidden)
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden) * config.initializer_range
+    return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in sorted(tensors.items())}
+
+
+def make_vision_tensors(vision: TinyVision, out_hidden_size: int, seed: int) -> tuple[object, dict[str, torch.Tensor]]:
+    """A random vision tower: (vision config, its bf16 tensors under `model.visual.*`)."""
+    from transformers import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    vcfg = Qwen3_5VisionConfig(depth=vision.depth, hidden_size=vision.hidden_size,
+                               intermediate_size=vision.intermediate_size, num_heads=vision.num_heads,
+                               patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                               spatial_merge_size=vision.spatial_merge_size, out_hidden_size=out_hidden_size,
+                               num_position_embeddings=vision.num_position_embeddings)
+    torch.manual_seed(seed)
+    tower = Qwen3_5VisionModel(vcfg)
+    tensors = {f"model.visual.{k}": v.detach().to(torch.bfloat16).contiguous()
+               for k, v in tower.state_dict().items()}
+    return vcfg, tensors
+
+
+def _image_processor_config(vision: TinyVision) -> dict:
+    """Qwen2-VL image processor settings for tiny images (a few hundred pixels a side at most)."""
+    return {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+            "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+            "merge_size": vision.spatial_merge_size, "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5], "do_resize": True,
+            # Pixel-area bounds: 32×32 .. 128×128, so an image costs 1 .. 16 merged tokens.
+            "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}}
+
+
+def write_tiny(out_dir: Path, seed: int = 0, shape: TinyShape = TinyShape(), train_steps: int = 0, *,
+               mtp: bool = False, vision: TinyVision | None = None) -> Path:
+    """Write tokenizer, config and bf16 weights (random, or briefly trained) to `out_dir`. Returns it.
+
+    `mtp` adds a random MTP head (`mtp.*`); `vision` adds a random vision tower and makes the checkpoint
+    the multimodal `qwen3_5` layout (see the module docstring). Both are drawn after the language model,
+    from seeds derived from `seed` (the vision tokens do change the tokenizer, hence the vocabulary).
+    """
     from transformers import Qwen3_5ForCausalLM
 
     shape.check()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(out_dir, shape.vocab_target, seed)
+    tokenizer = train_tokenizer(out_dir, shape.vocab_target, seed, vision=vision is not None)
     # Round the embedding up to a multiple of 256 as real checkpoints pad their vocabulary.
     vocab_size = -(-len(tokenizer) // 256) * 256
     config = make_config(shape, vocab_size, tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -164,11 +251,54 @@ def write_tiny(out_dir: Path, seed: int = 0, shape: TinyShape = TinyShape(), tra
     if train_steps:
         train_briefly(model, tokenizer, train_steps, seed)
     model = model.to(torch.bfloat16)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    if mtp or vision is not None:
+        _save_with_parts(out_dir, model, config, tokenizer, seed, mtp=mtp, vision=vision)
+    else:
+        model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
          "do_sample": False}, indent=2) + "\n")
     return out_dir
+
+
+def _save_with_parts(out_dir: Path, model, config, tokenizer, seed: int, *, mtp: bool,
+                     vision: TinyVision | None) -> None:
+    """Save the language model plus an MTP head and/or a vision tower as one safetensors file."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    text = config.to_diff_dict()  # what save_pretrained writes: only fields that differ from defaults
+    if mtp:
+        text["mtp_num_hidden_layers"] = 1
+        tensors.update(make_mtp_tensors(config, seed + 1))
+    if vision is None:
+        full = text
+    else:
+        from transformers import Qwen3_5Config
+
+        # The multimodal layout: the language model moves under model.language_model.; lm_head stays.
+        tensors = {(f"model.language_model.{k.removeprefix('model.')}" if k.startswith("model.") else k): v
+                   for k, v in tensors.items()}
+        vcfg, vision_tensors = make_vision_tensors(vision, config.hidden_size, seed + 2)
+        tensors.update(vision_tensors)
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+        text_only = {k: v for k, v in config.to_dict().items() if k != "architectures"}
+        mm = Qwen3_5Config(text_config=text_only, vision_config=vcfg.to_dict(),
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+        full = mm.to_diff_dict()  # what save_pretrained writes: only fields that differ from defaults
+        full["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+        full["text_config"].pop("architectures", None)
+        if mtp:
+            full["text_config"]["mtp_num_hidden_layers"] = 1
+        (out_dir / "preprocessor_config.json").write_text(
+            json.dumps(_image_processor_config(vision), indent=2) + "\n")
+    full["dtype"] = "bfloat16"
+    save_file(dict(sorted(tensors.items())), out_dir / "model.safetensors", metadata={"format": "pt"})
+    # safetensors creates the file 0600; a served model must be readable by the server's user.
+    (out_dir / "model.safetensors").chmod(0o644)
+    (out_dir / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,11 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ternary", action="store_true",
                         help="then convert it in place to the vLLM prism_ternary format (bonsai-convert, "
                              "sign vectors seeded by --seed): OUT_DIR is replaced by the ternary checkpoint")
+    parser.add_argument("--mtp", action="store_true",
+                        help="add a random one-layer MTP head (mtp.*, bf16) like the published checkpoint's")
+    parser.add_argument("--vision", action="store_true",
+                        help="add a tiny vision tower (depth 2, hidden 128) and write the multimodal qwen3_5 "
+                             "layout: model.language_model.* / model.visual.*, text_config + vision_config, "
+                             "vision tokens and an image processor config")
     args = parser.parse_args(argv)
     if args.layers < 4 or args.layers % 4:
         parser.error(f"--layers must be a positive multiple of 4, got {args.layers}")
-    out = write_tiny(args.out_dir, seed=args.seed, shape=TinyShape(num_hidden_layers=args.layers),
-                     train_steps=args.train_steps)
+    # Pass the optional parts only when asked, so callers that stand in for write_tiny need not know them.
+    extra = {**({"train_steps": args.train_steps} if args.train_steps else {}),
+             **({"mtp": True} if args.mtp else {}), **({"vision": TinyVision()} if args.vision else {})}
+    out = write_tiny(args.out_dir, seed=args.seed, shape=TinyShape(num_hidden_layers=args.layers), **extra)
     if args.ternary:
         from bonsai_vllm.core.convert import convert_to_ternary
 
