@@ -32,7 +32,7 @@ PROXY_PORT ?= $(PORT)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy doctor host lan lan-remove \
+.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch doctor host lan lan-remove \
 	up down logs ps keys reload-keys
 
 COMPOSE ?= docker compose
@@ -86,8 +86,9 @@ $(VENV_STAMP):
 	touch $@
 
 # The plugin is installed editable; reinstalling only re-reads pyproject.toml (entry points, scripts).
-$(VENV)/.plugin-installed: $(VENV_STAMP) plugin/pyproject.toml
+$(VENV)/.plugin-installed: $(VENV_STAMP) plugin/pyproject.toml model-fetch/pyproject.toml
 	$(VPIP) install -e "plugin[tiny,test]"
+	$(VPIP) install -e model-fetch
 	touch $@
 
 venv: $(VENV)/.plugin-installed ## create (or reuse) the test virtual environment in .venv
@@ -113,6 +114,9 @@ proxy: system-deps ## run the API gateway in the foreground (UPSTREAM=... PORT=.
 
 bench-proxy: system-deps ## gateway overhead: req/s, p50/p99, SSE first chunk, direct vs through the gateway
 	$(PYTHON) proxy/bench.py
+
+test-fetch: venv ## only the model-fetch tests (~3 min, one vLLM server)
+	$(VPY) -m pytest tests/fetch $(PYTEST_ARGS)
 
 test-proxy: venv system-deps ## only the gateway tests (~10 s)
 	$(VPY) -m pytest tests/proxy $(PYTEST_ARGS)

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import requests
 
+# Serve with no plugin at all: stock vLLM, as the dense twins must be.
+PLUGINS_OFF = {"VLLM_PLUGINS": ""}
+
 # Fixed texts: English, Japanese, code, and words the tokenizer has never merged.
 TEXTS = [
     "After Monday comes Tuesday, and the month after March is April.",

@@ -15,9 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bonsai_vllm.devserver import RUNNING, VllmServer
-
-# Serve with no plugin at all: stock vLLM, as the dense twins must be.
-PLUGINS_OFF = {"VLLM_PLUGINS": ""}
+from compare import PLUGINS_OFF
 
 
 # Enough AdamW steps (~2 min here) that the tiny model continues its corpus's counting line decisively,

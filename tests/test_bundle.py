@@ -122,3 +122,24 @@ def test_serve_command_is_accepted_by_vllms_parser():
     parser = make_arg_parser(FlexibleArgumentParser())
     args = parser.parse_args(build_command({"KV_OFFLOAD_GB": "4"})[2:])
     assert args.scheduler_cls.endswith("AsyncPreemptScheduler") and args.enable_auto_tool_choice
+
+
+def test_env_example_documents_every_serve_knob():
+    from bonsai_vllm.serve import KNOBS
+
+    text = (REPO / ".env.example").read_text()
+    lines = text.splitlines()
+    for knob in KNOBS:
+        if knob.env == "LANGUAGE_MODEL_ONLY":
+            continue  # derived from the model directory by model-fetch; an override, not a knob
+        assert f"\n{knob.env}=" in text, f"{knob.env} missing from .env.example"
+        i = next(n for n, line in enumerate(lines) if line.startswith(f"{knob.env}="))
+        assert lines[i - 1].startswith("#"), f"{knob.env} has no explanation above it"
+
+
+def test_compose_renders_with_env_example():
+    r = compose("--env-file", str(REPO / ".env.example"), "config", "--format", "json",
+                env={"WEBUI_API_KEY": "sk-test"})
+    assert r.returncode == 0, r.stderr
+    vllm_env = json.loads(r.stdout)["services"]["vllm"]["environment"]
+    assert vllm_env["BONSAI_SSD_EMBED_DIR"] == "/models/bonsai/embed_ssd"

@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 
 from bonsai_vllm.devserver import VllmServer
-from compare import greedy_tokens, logprob_difference, tolerance
-from conftest import PLUGINS_OFF
+from compare import PLUGINS_OFF, greedy_tokens, logprob_difference, tolerance
 
 
 def _serve_and_score(model, reference_url, env=None, args=()):
