@@ -8,7 +8,8 @@ on GPU, the kernels of `bonsai_vllm.core.kernels`). This file only plugs them in
 - the parameters each ternary layer owns: `weight` int32 [out, in/16] (16 two-bit codes per word, packed
   along the input) and `scales` fp16 [out, in/128], both sharded by vLLM's own loaders;
 - the forward: rotate this rank's input slice (`core.partition`, exchanging half blocks at TP=2), then
-  multiply by W' (dequantized codes × scales).
+  multiply by W' — `core.kernels.ternary_linear`, which runs the Triton kernels on CUDA and the reference
+  maths elsewhere, behind an opaque custom op so torch.compile does not trace into kernel dispatch.
 """
 
 from __future__ import annotations
@@ -30,10 +31,23 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
 from bonsai_vllm.core import format as fmt
+from bonsai_vllm.core.kernels.linear import TernaryWeights, prepare, ternary_linear
 from bonsai_vllm.core.partition import plan_partition, rotate_partition
-from bonsai_vllm.core.ternary import dequantize
 
 CODES_PER_WORD = 16  # 2-bit codes in one int32
+
+
+@torch.library.custom_op("bonsai::ternary_linear", mutates_args=())
+def ternary_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor,
+                      q: torch.Tensor, row_scale: torch.Tensor, rotated: bool, block: int) -> torch.Tensor:
+    # x [T, in/tp] (rotated or not) -> y [T, out]; dispatch by device and batch size inside.
+    tw = TernaryWeights(packed, scales, signs, q, row_scale, None, block)
+    return ternary_linear(x, tw, rotated=rotated)
+
+
+@ternary_linear_op.register_fake
+def _(x, packed, scales, signs, q, row_scale, rotated, block):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def _is_drafter(prefix: str) -> bool:
@@ -130,15 +144,19 @@ class PrismTernaryLinearMethod(LinearMethodBase):
         layer.scales = torch.nn.Parameter(layer.scales.data, requires_grad=False)
         layer.signs = layer.signs.to(layer.weight.device)
         assert width == layer.prism_plan.width
+        # Per-row int8 decomposition of the scales for the prefill path (N·K/128 bytes, small).
+        tw = prepare(layer.weight.data, layer.scales.data, layer.signs, block=self.spec.hadamard_block)
+        layer.prism_q = torch.nn.Parameter(tw.q, requires_grad=False)
+        layer.prism_row_scale = torch.nn.Parameter(tw.row_scale, requires_grad=False)
 
     def _exchange(self, t: torch.Tensor) -> torch.Tensor:
         return get_tp_group().all_gather(t, dim=-1)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # x [T, in/tp] -> rotated [T, in/tp] -> y [T, out/tp or out]
-        xr = rotate_partition(x, layer.signs, layer.prism_plan, layer.prism_tp_rank, self._exchange)
-        w = dequantize(layer.weight, layer.scales, self.spec.group_size)  # [out, in/tp] float32
-        y = xr.float() @ w.t()
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
+        plan = layer.prism_plan
+        if plan.cut:
+            # x [T, in/tp] -> this rank's slice of the full rotation (one all-gather of half blocks)
+            x = rotate_partition(x, layer.signs, plan, layer.prism_tp_rank, self._exchange)
+        y = torch.ops.bonsai.ternary_linear(x, layer.weight, layer.scales, layer.signs, layer.prism_q,
+                                            layer.prism_row_scale, plan.cut, self.spec.hadamard_block)
+        return y if bias is None else y + bias

@@ -1,0 +1,157 @@
+"""Prefill path (large M): report 000's exact int8 decomposition, one int8 × int8 → int32 matmul per layer.
+
+Reference (the judge): `core.ternary.int8_decompose` and `core.ternary.ternary_linear_int8_ref`.
+
+    q[n, g]   = round(127 · s[n, g] / smax[n])      (int8, |q| <= 127; `int8_scales`)
+    W8[n, k]  = code[n, k] · q[n, k/128]             (int8, exact; `expand_int8`)
+    xq, t[m]  = per-token int8 of the rotated x      (hadamard.quantize_per_token)
+    y[m, n]   = (xq · W8^T)[m, n] · t[m] · smax[n]/127
+
+W8 is expanded once at load when memory allows (1 byte per weight, 4× the packed codes), otherwise per
+call into a scratch buffer (`expand_int8`: reads 2.125 bits, writes 8 bits per weight). Two matmuls:
+
+- `int_mm`: torch._int_mm (cuBLAS) with W8^T column-major (W8 [N, K] row-major, `.t()`: DESIGN.md §4, a
+  row-major second operand runs 6-7× slower), then `rescale` (one Triton pass over the int32 result).
+- `triton`: `int8_gemm`, a Triton int8 tensor-core GEMM with the rescale fused into its epilogue (no int32
+  round trip through memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bonsai_vllm.core.kernels._triton import require, tl, triton
+
+if triton is not None:
+
+    @triton.jit
+    def _expand_int8_kernel(w_ptr, q_ptr, out_ptr, N, K, BN: tl.constexpr, BW: tl.constexpr):
+        # grid: (cdiv(N, BN), K / (16·BW)); a tile of BN rows × BW words -> BN × BW·16 int8 weights.
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        w = tl.program_id(1) * BW + tl.arange(0, BW)  # word index along the row
+        nmask = rn < N
+        KW = K // 16
+        p = tl.load(w_ptr + rn[:, None] * KW + w[None, :], mask=nmask[:, None], other=0)  # [BN, BW]
+        q = tl.load(q_ptr + rn[:, None] * (K // 128) + (w // 8)[None, :], mask=nmask[:, None], other=0)
+        i = tl.arange(0, 16)
+        code = ((p[:, :, None] >> (2 * i)) & 3) - 1  # [BN, BW, 16] in {-1, 0, 1}
+        v = (code * q.to(tl.int32)[:, :, None]).to(tl.int8)
+        k = w[:, None] * 16 + i[None, :]  # [BW, 16]
+        tl.store(out_ptr + rn[:, None, None] * K + k[None, :, :], v, mask=nmask[:, None, None])
+
+    @triton.jit(do_not_specialize=["M"])
+    def _rescale_kernel(acc_ptr, ts_ptr, rs_ptr, b_ptr, y_ptr, M, N, stride_a, stride_y,
+                        BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        acc = tl.load(acc_ptr + rm[:, None] * stride_a + rn[None, :], mask=mask, other=0).to(tl.float32)
+        ts = tl.load(ts_ptr + rm, mask=rm < M, other=0.0)
+        rs = tl.load(rs_ptr + rn, mask=rn < N, other=0.0)
+        y = acc * ts[:, None] * rs[None, :]  # (acc · t) · row scale, the reference's order
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _int8_gemm_kernel(a_ptr, b_ptr, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, K, stride_a, stride_b, stride_c,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):
+        # The Triton matmul tutorial with int8 operands (A [M, K] and B [N, K], both K-contiguous, which is
+        # what Hopper's int8 wgmma wants) and the rescale fused into the epilogue.
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        group = pid // (GROUP_M * num_n)  # grouped order: GROUP_M row tiles share each B tile in L2
+        first_m = group * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+        pid_n = (pid % (GROUP_M * num_n)) // size_m
+        rm = (pid_m * BM + tl.arange(0, BM)) % M  # wrap instead of masking the loads; stores are masked
+        rn = (pid_n * BN + tl.arange(0, BN)) % N
+        rk = tl.arange(0, BK)
+        a_ptrs = a_ptr + rm[:, None] * stride_a + rk[None, :]
+        b_ptrs = b_ptr + rn[None, :] * stride_b + rk[:, None]  # [BK, BN] view of B^T
+        acc = tl.zeros([BM, BN], dtype=tl.int32)
+        for _ in range(0, K // BK):
+            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, out_dtype=tl.int32)
+            a_ptrs += BK
+            b_ptrs += BK
+        y = acc.to(tl.float32) * tl.load(ts_ptr + rm)[:, None] * tl.load(rs_ptr + rn)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+        om = pid_m * BM + tl.arange(0, BM)
+        on = pid_n * BN + tl.arange(0, BN)
+        tl.store(c_ptr + om[:, None] * stride_c + on[None, :], y.to(c_ptr.dtype.element_ty),
+                 mask=(om < M)[:, None] & (on < N)[None, :])
+
+
+def default_config(m: int, n: int, k: int) -> tuple[str, tuple | None]:
+    """("triton", (BM, BN, BK, GROUP_M, warps, stages)) or ("int_mm", None) for a batch of m rows: the
+    fastest of the H200 sweep (bench_kernels --sweep, 2026-11-29) at the 27B's per-rank shapes. The Triton
+    GEMM (rescale fused) won everywhere from 512 rows; at 32-64 rows cuBLAS _int_mm + rescale was as fast or
+    faster except for gate_up; _int_mm refuses M <= 16."""
+    if m <= 16 or (m <= 64 and n > 8192):
+        return "triton", (64, 128, 128, 8, 4, 4)
+    if m <= 64:
+        return "int_mm", None
+    if m <= 1024:
+        return "triton", (128, 128, 64, 8, 4, 4) if n > 5120 else (64, 128, 64, 8, 4, 4)
+    return "triton", (128, 128, 128, 8, 8, 4) if k > 8192 else (128, 128, 64, 8, 4, 4)
+
+
+def int8_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 scales [N, G] -> (q int8 [N, G], row_scale float32 [N]); the scale half of int8_decompose."""
+    s = scales.float()
+    smax = s.abs().amax(dim=-1)  # [N]
+    q = torch.round(127.0 * s / smax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
+    return q.to(torch.int8), smax / 127.0
+
+
+def expand_int8(packed: torch.Tensor, q: torch.Tensor, *, out: torch.Tensor | None = None,
+                bn: int = 32, bw: int = 8, num_warps: int = 4) -> torch.Tensor:
+    """W8 int8 [N, K] = code · q[n, k/128] from packed int32 [N, K/16] and q int8 [N, K/128]."""
+    require()
+    n, kw = packed.shape
+    k = kw * 16
+    w8 = torch.empty(n, k, dtype=torch.int8, device=packed.device) if out is None else out
+    _expand_int8_kernel[(triton.cdiv(n, bn), kw // bw)](packed, q, w8, n, k, BN=bn, BW=bw, num_warps=num_warps)
+    return w8
+
+
+def rescale(acc: torch.Tensor, ts: torch.Tensor, rs: torch.Tensor, bias: torch.Tensor | None = None,
+            dtype: torch.dtype = torch.bfloat16, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = acc int32 [M, N] · ts [M] · rs [N] (+ bias), in `dtype`."""
+    require()
+    m, n = acc.shape
+    y = torch.empty(m, n, dtype=dtype, device=acc.device) if out is None else out
+    bm, bn = 16, 256
+    _rescale_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        acc, ts, rs, bias if bias is not None else rs, y, m, n, acc.stride(0), y.stride(0),
+        BM=bm, BN=bn, HAS_BIAS=bias is not None, num_warps=4)
+    return y
+
+
+def int8_gemm(xq: torch.Tensor, w8: torch.Tensor, ts: torch.Tensor, rs: torch.Tensor,
+              bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
+              out: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
+    """y [M, N] = (xq [M, K] · w8 [N, K]^T) · ts[m] · rs[n] (+ bias): one Triton kernel, int32 accumulate."""
+    require()
+    m, k = xq.shape
+    n = w8.shape[0]
+    bm, bn, bk, group_m, warps, stages = config or default_config(m, n, k)[1] or (128, 128, 64, 8, 4, 4)
+    if k % bk:
+        raise ValueError(f"int8_gemm: K = {k} is not a multiple of BK = {bk}")
+    y = torch.empty(m, n, dtype=dtype, device=xq.device) if out is None else out
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _int8_gemm_kernel[grid](xq, w8, ts, rs, bias if bias is not None else rs, y, m, n, k,
+                            xq.stride(0), w8.stride(0), y.stride(0), BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+                            HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+    return y
+
+
+def int_mm_linear(xq: torch.Tensor, w8: torch.Tensor, ts: torch.Tensor, rs: torch.Tensor,
+                  bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product through cuBLAS: torch._int_mm(xq, w8.t()) (column-major second operand) + `rescale`."""
+    return rescale(torch._int_mm(xq, w8.t()), ts, rs, bias, dtype, out=out)

@@ -1,0 +1,149 @@
+"""The ternary linear layer the vLLM adapter calls: weights prepared once at load, a path chosen per call.
+
+    tw = prepare(packed, scales, signs)         # once, in process_weights_after_loading
+    y  = ternary_linear(x, tw)                  # every forward: rotates x, then multiplies
+    y  = ternary_linear(xr, tw, rotated=True)   # x already rotated (a TP=2 cut block: core.partition)
+
+Dispatch (by batch rows M = x.numel() / K and by device):
+- no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
+  `core.ternary` (the judge), so CPU serving keeps working;
+- M <= `GEMV_MAX_M` (16; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
+  reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches;
+- larger M: rotation, per-token int8 quantization, then the int8 matmul against W8 (expanded at load when
+  `prepare(..., expand_int8=True)`, else per call into a scratch buffer) (int8mm.py): the Triton GEMM
+  with the rescale fused, or cuBLAS `_int_mm` + a rescale pass, whichever int8mm.default_config names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bonsai_vllm.core.kernels._triton import usable
+from bonsai_vllm.core.ternary import dequantize
+
+GROUP_SIZE = 128
+BLOCK = 1024
+
+# Batch rows up to which the GEMV (codes read once, decoded in registers) runs instead of the int8 matmul;
+# from the H200 sweep in bench_kernels (docs/benchmarks.md). With W8 kept at load the int8 matmul won at 32
+# and 64 rows (int8 at 4-16 rows was not measured). Without W8 it has to expand W8 per call (as many bytes
+# written as the layer has weights), which only pays beyond 64 rows.
+GEMV_MAX_M = 16
+GEMV_MAX_M_NO_W8 = 64
+
+
+@dataclass
+class TernaryWeights:
+    """One ternary layer's tensors, on the layer's device; built by `prepare`, read-only afterwards."""
+
+    packed: torch.Tensor  # int32 [N, K/16], code i of a word at bits 2i, value = code - 1
+    scales: torch.Tensor  # fp16 [N, K/128]
+    signs: torch.Tensor | None  # float32 [K]: this rank's slice of s (None: callers always pass rotated x)
+    q: torch.Tensor  # int8 [N, K/128]: group scale as a multiple of row_scale (int8 path)
+    row_scale: torch.Tensor  # float32 [N] = max_g |s[n, g]| / 127
+    w_int8: torch.Tensor | None = None  # int8 [N, K] = code · q, when expanded at load
+    block: int = BLOCK
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 16
+
+    def int8_bytes(self) -> int:
+        """Extra device memory that `prepare(..., expand_int8=True)` takes for this layer."""
+        return self.out_features * self.in_features
+
+
+def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None = None, *,
+            block: int = BLOCK, expand_int8: bool = False) -> TernaryWeights:
+    """Build the layer state once at load time (same device as `packed`).
+
+    `expand_int8=True` keeps W8 = code · q (1 byte per weight) for the prefill matmul; leave it False where
+    memory is short (2 × 12 GB cards: the 27B's W8 would be 13.5 GB per rank) and W8 is expanded per call.
+    """
+    n, kw = packed.shape
+    k = kw * 16
+    if packed.dtype != torch.int32 or scales.shape != (n, k // GROUP_SIZE) or scales.dtype != torch.float16:
+        raise ValueError(f"prepare: expected packed int32 [N, K/16] and scales fp16 [N, K/128], got "
+                         f"{packed.dtype} {list(packed.shape)} and {scales.dtype} {list(scales.shape)}")
+    if signs is not None and signs.shape != (k,):
+        raise ValueError(f"prepare: signs shape {list(signs.shape)} != [{k}]")
+    from bonsai_vllm.core.kernels.int8mm import int8_scales
+
+    q, row_scale = int8_scales(scales)
+    tw = TernaryWeights(packed.contiguous(), scales.contiguous(),
+                        None if signs is None else signs.to(packed.device, torch.float32).contiguous(),
+                        q, row_scale, None, block)
+    if expand_int8:
+        tw.w_int8 = _expand(tw)
+    return tw
+
+
+def _expand(tw: TernaryWeights) -> torch.Tensor:
+    if usable(tw.packed):
+        from bonsai_vllm.core.kernels.int8mm import expand_int8
+
+        return expand_int8(tw.packed, tw.q)
+    from bonsai_vllm.core.format import unpack_ternary
+
+    return (unpack_ternary(tw.packed).to(torch.int16) * tw.q.to(torch.int16).repeat_interleave(GROUP_SIZE, -1)
+            ).to(torch.int8)
+
+
+def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    from bonsai_vllm.core.hadamard import signed_block_hadamard
+
+    xr = x.float() if rotated else signed_block_hadamard(x.float(), tw.signs, tw.block)
+    y = xr @ dequantize(tw.packed, tw.scales, GROUP_SIZE).to(x.device).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = H(s ⊙ x) · W'^T (+ bias), or xr · W'^T with `rotated=True`; returns x's dtype.
+
+    Unrotated input needs K % block == 0 and `tw.signs`; a TP rank whose slice cuts a block rotates with
+    core.partition.rotate_partition and passes rotated=True.
+    """
+    k = tw.in_features
+    if x.shape[-1] != k:
+        raise ValueError(f"ternary_linear: input width {x.shape[-1]} != layer input width {k}")
+    if not rotated and (tw.signs is None or k % tw.block):
+        raise ValueError(f"ternary_linear: cannot rotate here (width {k}, block {tw.block}, signs "
+                         f"{'set' if tw.signs is not None else 'None'}); rotate with core.partition and "
+                         "pass rotated=True")
+    if not usable(x):
+        return _reference(x, tw, rotated, bias)
+
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
+        from bonsai_vllm.core.kernels import gemv
+        from bonsai_vllm.core.kernels.hadamard import block_hadamard, gemv_order
+
+        cfg = gemv.default_config(m, tw.out_features, k)
+        dt = gemv.x_dtype(cfg)
+        # x' (the GEMV's planar layout): straight from the rotation kernel, or reordered if rotated already
+        xp = gemv_order(x2, dtype=dt) if rotated else block_hadamard(x2, tw.signs, tw.block, gemv_order=True, dtype=dt)
+        y = gemv.ternary_gemv(xp, tw.packed, tw.scales, bias, prepared=True, out_dtype=x.dtype, config=cfg)
+    else:
+        from bonsai_vllm.core.kernels import int8mm
+        from bonsai_vllm.core.kernels.hadamard import block_hadamard, quantize_per_token
+
+        # Rotate, then quantize: two passes, but each at full bandwidth (the fused kernel rotates twice).
+        xr = x2 if rotated else block_hadamard(x2, tw.signs, tw.block)
+        xq, ts = quantize_per_token(xr)
+        w8 = tw.w_int8 if tw.w_int8 is not None else int8mm.expand_int8(tw.packed, tw.q)
+        backend, cfg = int8mm.default_config(m, tw.out_features, k)
+        if backend == "int_mm" and x.is_cuda:
+            y = int8mm.int_mm_linear(xq, w8, ts, tw.row_scale, bias, x.dtype)
+        else:
+            y = int8mm.int8_gemm(xq, w8, ts, tw.row_scale, bias, x.dtype, config=cfg)
+    return y.view(*x.shape[:-1], tw.out_features)
