@@ -35,6 +35,7 @@ class Stream(threading.Thread):
         self.priority, self.max_tokens, self.prompt = priority, max_tokens, prompt
         self.start_time = self.first_token = self.end = None
         self.tokens = 0
+        self.token_times: list[float] = []  # arrival time of each chunk that carried tokens
         self.text = ""
         self.usage = None
         self.error: Exception | None = None
@@ -54,6 +55,8 @@ class Stream(threading.Thread):
                     if ids and self.first_token is None:
                         self.first_token = time.monotonic()
                     self.tokens += len(ids)
+                    if ids:
+                        self.token_times.append(time.monotonic())
                     self.text += choice.text
         except Exception as e:  # reported by the test, not lost in the thread
             self.error = e
