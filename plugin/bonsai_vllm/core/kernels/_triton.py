@@ -39,5 +39,5 @@ def dot_dtype():
 
 def require() -> None:
     if triton is None:
-        raise RuntimeError("bonsai_vllm.core.kernels: Triton is not installed; use the reference path "
-                           "(bonsai_vllm.core.ternary) or install triton")
+        raise RuntimeError("bonsai_vllm kernels: Triton is not installed; use the PyTorch reference path "
+                           "(bonsai_vllm.core.ternary, bonsai_vllm.core.kv.reference) or install triton")

@@ -1,0 +1,362 @@
+"""Decode attention over the quantized pages + the bf16 recent window, all query heads of a KV head at once.
+
+Reference (the judge): `reference.decode_ref` (dequantize everything, attend in float64, merge the two
+parts by log-sum-exp).
+
+Why grouped. Under GQA 6:1 one KV head serves 6 query heads. A kernel with one program per query head
+(what vLLM's TurboQuant decode and the OSCAR PR do) reads and unpacks every KV tile 6 times; here one
+program takes a head tile of HT query heads (HT = group = 6: all of them) × QL query positions as the
+rows of a tensor-core product, so each tile of codes is read and unpacked once. The same kernel with
+HT = 1 is the one-program-per-query-head baseline the benchmark compares against.
+
+The GQA trap (DESIGN §1): the program for head tile t reads KV head (t·HT) // group, which is right for
+every row only if HT divides the group. `decode` refuses other tiles; `heads_per_program`
+(with `_unsafe=True`) exists so a test can show that the comparison with the reference catches it.
+
+Flash-decoding split. Programs are (sequence, head tile, split): splits 0 … S-1 each take one contiguous
+chunk of the quantized tokens, split S takes the bf16 window; each writes a partial output and its
+log2-sum-exp; `_merge_kernel` combines the S+1 parts. S is fixed per launch (CUDA-graph friendly); the
+chunk of each sequence is its own token count / S rounded up to BLOCK_N, which divides the page size,
+so a tile never straddles a page.
+
+Scores without dequantizing. k̂ = c·s + m per token, so q·k̂ = s·(q·c) + m·Σq: the product runs on the
+raw codes and the scale and min are applied per token afterwards (the same for p·v̂ = (p·s)·c + Σ p·m).
+
+Unpacking (format.py's planar pieces: dim P·i + j at bits 2i of byte j, P = D/4). Three variants; the
+H200 numbers are bench_kv's (run 2, 80k tokens, 24/4 heads, one layer) and offline SASS counts:
+- UNPACK = 0 ("cvt"): ((byte >> 2i) & 3) → integer-to-fp16 conversion; conversions issue at a quarter
+  of the integer rate on Hopper, and there are 2·D of them per token. 105 µs (BLOCK_N 64).
+- UNPACK = 1 ("bits"): no shift, no conversion: (byte & (3 << 2i)) is c·4^i < 1024, and the same bits
+  read as an fp16 are the subnormal c·4^i·2^-24, exact. The factor is folded into the query (q·4^-i,
+  exact) and into the final output (·2^24·4^-i). The third key bit is moved beside them with one
+  per-column shift, which keeps the compiler from unpacking in the operand layout (an extra round trip
+  of the fp16 tile through shared memory). Relies on the tensor cores taking fp16 subnormals as they
+  are: checked against the reference on the H200 (bench_kv). 105 µs (run 1, before the 2-D merge).
+- UNPACK = 2 (default): as 1, but the third key bit gets its own products (dims P·i + [0, P/2) against
+  bit 2i, the rest against bit 2i + 1, each half a K = 32 product with a query half pre-scaled by the
+  bit's power of two): only ANDs before the products, the byte tiles go to the operand layout directly.
+  53 µs (60 warp-instructions per token per KV head in the main loop; ~38 would keep pace with HBM).
+K tiles are loaded transposed ([dims, tokens]: the B operand of q·kᵀ as consumed), V tiles as they are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bonsai_vllm.core.kernels._triton import require, tl, triton
+from bonsai_vllm.core.kv.format import KVFormat
+from bonsai_vllm.core.kv.reference import LOG2E
+
+if triton is not None:
+
+    @triton.jit
+    def _kcodes(lo, hi, i: tl.constexpr, jh, K_BITS: tl.constexpr, UNPACK: tl.constexpr):
+        """Key codes of piece i as fp16 [P, N] from bytes lo, hi [P, N] (jh [P, 1]: column in upper half).
+
+        The tiles are loaded transposed ([dims, tokens], the B operand of q · kᵀ as it is consumed), so
+        the compiler can keep the raw bytes in the operand layout and unpack them there instead of
+        round-tripping the unpacked fp16 tile through shared memory."""
+        if UNPACK == 0:
+            c = (lo >> (2 * i)) & 3
+            if K_BITS == 3:
+                c = c | (((hi >> (2 * i + jh)) & 1) << 2)
+            return c.to(tl.float16)
+        elif UNPACK == 2:  # low two bits only; the third goes through its own products (_hbits)
+            return (lo & (3 << (2 * i))).to(tl.int16).to(tl.float16, bitcast=True)
+        else:
+            c = lo & (3 << (2 * i))  # c_lo · 4^i
+            if K_BITS == 3:
+                c = c | ((hi & (1 << (2 * i + jh))) << (2 - jh))  # + 4·c_hi · 4^i
+            return c.to(tl.int16).to(tl.float16, bitcast=True)  # subnormal: c · 4^i · 2^-24
+
+    @triton.jit
+    def _hbits(hi, bit: tl.constexpr):
+        """One bit plane of the third key bits, [W, N], as subnormal fp16 (bit value 2^bit · 2^-24)."""
+        return (hi & (1 << bit)).to(tl.int16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _vcodes(v, i: tl.constexpr, UNPACK: tl.constexpr):
+        if UNPACK == 0:
+            return ((v >> (2 * i)) & 3).to(tl.float16)
+        else:
+            return (v & (3 << (2 * i))).to(tl.int16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _online(s, m_i, l_i):
+        """One step of online softmax in base 2 on scores s [R, N] (masked entries -inf)."""
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit(do_not_specialize=["NUM_SPLITS"])
+    def _decode_kernel(q_ptr, cache_ptr, bt_ptr, nq_ptr, wk_ptr, wv_ptr, nw_ptr, po_ptr, pl_ptr, qk_scale, NUM_SPLITS,
+                       stride_qb, stride_qt, stride_qh, stride_cb, stride_ch, stride_btb,
+                       stride_wb, stride_wh, stride_wt, stride_pb, stride_pt, stride_ph, stride_ps,
+                       stride_lb, stride_lt, stride_lh, BS: tl.constexpr, D: tl.constexpr, QL: tl.constexpr,
+                       HT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, K_BITS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, ILP: tl.constexpr):
+        # grid: (B, Hq / HT, NUM_SPLITS + 1). Rows r of a program: query position r // HT, head h0 + r % HT.
+        P: tl.constexpr = D // 4
+        W: tl.constexpr = D // 8
+        OFF_HI: tl.constexpr = BS * P
+        OFF_V: tl.constexpr = OFF_HI + (BS * W if K_BITS == 3 else 0)
+        OFF_META: tl.constexpr = OFF_V + BS * P
+        b = tl.program_id(0)
+        h0 = tl.program_id(1) * HT
+        split = tl.program_id(2)
+        kvh = h0 // GROUP  # right for every row only when HT divides GROUP (see module docstring)
+        r = tl.arange(0, ROWS)
+        qpos = r // HT
+        head = h0 + r % HT
+        rmask = r < QL * HT
+        j = tl.arange(0, P)
+        jh = (j >= W).to(tl.int32)[:, None]  # [P, 1] dim in the upper half of a piece: third bit at 2i + 1
+        q_rows = q_ptr + b * stride_qb + qpos[:, None] * stride_qt + head[:, None] * stride_qh + j[None, :]
+
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        pm = tl.zeros([ROWS], tl.float32)  # Σ p · v_min (quantized part)
+        acc0 = tl.zeros([ROWS, P], tl.float32)
+        acc1 = tl.zeros([ROWS, P], tl.float32)
+        acc2 = tl.zeros([ROWS, P], tl.float32)
+        acc3 = tl.zeros([ROWS, P], tl.float32)
+
+        if split < NUM_SPLITS:
+            # ---- quantized pages: tokens [start, end) of this sequence
+            n = tl.load(nq_ptr + b)
+            chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            start = split * chunk
+            end = tl.minimum(start + chunk, n)
+            # q pieces, scaled to log2 units; "bits" also folds the 4^-i of the unshifted codes in.
+            q0 = tl.load(q_rows, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+            q1 = tl.load(q_rows + P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+            q2 = tl.load(q_rows + 2 * P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+            q3 = tl.load(q_rows + 3 * P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
+            if UNPACK >= 1:
+                q1 = q1 * 0.25
+                q2 = q2 * 0.0625
+                q3 = q3 * 0.015625
+            if UNPACK == 2 and K_BITS == 3:
+                # query halves for the third-bit products: dims P·i + [0, W) meet bit 2i (value 2^2i),
+                # dims P·i + [W, P) meet bit 2i + 1; scaled so that both give 4·c_hi·q (exact powers of 2)
+                jw = tl.arange(0, W)
+                qa_rows = q_ptr + b * stride_qb + qpos[:, None] * stride_qt + head[:, None] * stride_qh + jw[None, :]
+                ha0 = (tl.load(qa_rows, mask=rmask[:, None], other=0.0) * (qk_scale * 4.0)).to(tl.float16)
+                hb0 = (tl.load(qa_rows + W, mask=rmask[:, None], other=0.0) * (qk_scale * 2.0)).to(tl.float16)
+                ha1 = (tl.load(qa_rows + P, mask=rmask[:, None], other=0.0) * (qk_scale * 1.0)).to(tl.float16)
+                hb1 = (tl.load(qa_rows + P + W, mask=rmask[:, None], other=0.0) * (qk_scale * 0.5)).to(tl.float16)
+                ha2 = (tl.load(qa_rows + 2 * P, mask=rmask[:, None], other=0.0) * (qk_scale * 0.25)).to(tl.float16)
+                hb2 = (tl.load(qa_rows + 2 * P + W, mask=rmask[:, None], other=0.0) * (qk_scale * 0.125)).to(tl.float16)
+                ha3 = (tl.load(qa_rows + 3 * P, mask=rmask[:, None], other=0.0) * (qk_scale * 0.0625)).to(tl.float16)
+                hb3 = (tl.load(qa_rows + 3 * P + W, mask=rmask[:, None], other=0.0) * (qk_scale * 0.03125)).to(tl.float16)
+            q0 = q0.to(tl.float16)
+            q1 = q1.to(tl.float16)
+            q2 = q2.to(tl.float16)
+            q3 = q3.to(tl.float16)
+            # Σ_d q_d of the effective (fp16) query, for the min term m · Σq
+            qsum = tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1) * (4.0 if UNPACK >= 1 else 1.0) \
+                + tl.sum(q2.to(tl.float32), axis=1) * (16.0 if UNPACK >= 1 else 1.0) \
+                + tl.sum(q3.to(tl.float32), axis=1) * (64.0 if UNPACK >= 1 else 1.0)
+            CF: tl.constexpr = 16777216.0 if UNPACK >= 1 else 1.0  # 2^24 for subnormal codes
+            for t0 in range(start, end, BLOCK_N):
+                pg = tl.load(bt_ptr + b * stride_btb + t0 // BS).to(tl.int64)
+                base = cache_ptr + pg * stride_cb + kvh * stride_ch
+                off = t0 % BS + tl.arange(0, BLOCK_N)
+                tm = t0 + tl.arange(0, BLOCK_N) < end
+                # K bytes as [P, BLOCK_N] (dims × tokens): see _kcodes
+                lo = tl.load(base + off[None, :] * P + j[:, None], mask=tm[None, :], other=0).to(tl.int32)
+                if K_BITS == 3 and UNPACK == 2:
+                    jw2 = tl.arange(0, W)
+                    hi = tl.load(base + OFF_HI + off[None, :] * W + jw2[:, None], mask=tm[None, :], other=0).to(tl.int32)
+                elif K_BITS == 3:
+                    hi = tl.load(base + OFF_HI + off[None, :] * W + (j % W)[:, None], mask=tm[None, :],
+                                 other=0).to(tl.int32)
+                else:
+                    hi = lo
+                mp = (base + OFF_META + off * 8).to(tl.pointer_type(tl.float16))
+                ks = tl.load(mp, mask=tm, other=0.0).to(tl.float32) * CF
+                km = tl.load(mp + 1, mask=tm, other=0.0).to(tl.float32)
+                vs = tl.load(mp + 2, mask=tm, other=0.0).to(tl.float32)
+                vm = tl.load(mp + 3, mask=tm, other=0.0).to(tl.float32)
+
+                if ILP:
+                    # one product chain per piece, summed at the end: the four chains are independent,
+                    # so the tensor cores are not waiting on one 12-deep accumulation chain (decode is
+                    # latency-bound at 2 programs per SM)
+                    c0 = tl.dot(q0, _kcodes(lo, hi, 0, jh, K_BITS, UNPACK))
+                    c1 = tl.dot(q1, _kcodes(lo, hi, 1, jh, K_BITS, UNPACK))
+                    c2 = tl.dot(q2, _kcodes(lo, hi, 2, jh, K_BITS, UNPACK))
+                    c3 = tl.dot(q3, _kcodes(lo, hi, 3, jh, K_BITS, UNPACK))
+                    if UNPACK == 2 and K_BITS == 3:
+                        c0 = tl.dot(hb0, _hbits(hi, 1), tl.dot(ha0, _hbits(hi, 0), c0))
+                        c1 = tl.dot(hb1, _hbits(hi, 3), tl.dot(ha1, _hbits(hi, 2), c1))
+                        c2 = tl.dot(hb2, _hbits(hi, 5), tl.dot(ha2, _hbits(hi, 4), c2))
+                        c3 = tl.dot(hb3, _hbits(hi, 7), tl.dot(ha3, _hbits(hi, 6), c3))
+                    s = (c0 + c1) + (c2 + c3)
+                else:
+                    s = tl.dot(q0, _kcodes(lo, hi, 0, jh, K_BITS, UNPACK))
+                    s = tl.dot(q1, _kcodes(lo, hi, 1, jh, K_BITS, UNPACK), s)
+                    s = tl.dot(q2, _kcodes(lo, hi, 2, jh, K_BITS, UNPACK), s)
+                    s = tl.dot(q3, _kcodes(lo, hi, 3, jh, K_BITS, UNPACK), s)
+                    if UNPACK == 2 and K_BITS == 3:
+                        s = tl.dot(ha0, _hbits(hi, 0), s)
+                        s = tl.dot(hb0, _hbits(hi, 1), s)
+                        s = tl.dot(ha1, _hbits(hi, 2), s)
+                        s = tl.dot(hb1, _hbits(hi, 3), s)
+                        s = tl.dot(ha2, _hbits(hi, 4), s)
+                        s = tl.dot(hb2, _hbits(hi, 5), s)
+                        s = tl.dot(ha3, _hbits(hi, 6), s)
+                        s = tl.dot(hb3, _hbits(hi, 7), s)
+                s = s * ks[None, :] + qsum[:, None] * km[None, :]
+                s = tl.where(tm[None, :], s, float("-inf"))
+                p, alpha, m_i, l_i = _online(s, m_i, l_i)
+                pm = pm * alpha + tl.sum(p * vm[None, :], axis=1)
+                pv = (p * vs[None, :]).to(tl.float16)
+                vv = tl.load(base + OFF_V + off[:, None] * P + j[None, :], mask=tm[:, None], other=0).to(tl.int32)
+                acc0 = tl.dot(pv, _vcodes(vv, 0, UNPACK), acc0 * alpha[:, None])
+                acc1 = tl.dot(pv, _vcodes(vv, 1, UNPACK), acc1 * alpha[:, None])
+                acc2 = tl.dot(pv, _vcodes(vv, 2, UNPACK), acc2 * alpha[:, None])
+                acc3 = tl.dot(pv, _vcodes(vv, 3, UNPACK), acc3 * alpha[:, None])
+            if UNPACK >= 1:  # undo the 2^-24 · 4^i of subnormal value codes
+                acc0 = acc0 * 16777216.0
+                acc1 = acc1 * 4194304.0
+                acc2 = acc2 * 1048576.0
+                acc3 = acc3 * 262144.0
+            acc0 += pm[:, None]
+            acc1 += pm[:, None]
+            acc2 += pm[:, None]
+            acc3 += pm[:, None]
+        else:
+            # ---- bf16 recent window (rotated K/V), causal among the QL verify rows
+            nw = tl.load(nw_ptr + b)
+            q0 = (tl.load(q_rows, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+            q1 = (tl.load(q_rows + P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+            q2 = (tl.load(q_rows + 2 * P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+            q3 = (tl.load(q_rows + 3 * P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale).to(tl.float16)
+            lim = nw - (QL - 1 - qpos)  # [ROWS]: row sees window tokens < lim
+            wbase = b.to(tl.int64) * stride_wb + kvh * stride_wh
+            for w0 in tl.range(0, nw, BLOCK_W, num_stages=1):  # small: no multi-buffering (shared memory)
+                w = w0 + tl.arange(0, BLOCK_W)
+                wm = w < nw
+                kp = wk_ptr + wbase + w[:, None] * stride_wt + j[None, :]
+                s = tl.dot(q0, tl.trans(tl.load(kp, mask=wm[:, None], other=0.0).to(tl.float16)))
+                s = tl.dot(q1, tl.trans(tl.load(kp + P, mask=wm[:, None], other=0.0).to(tl.float16)), s)
+                s = tl.dot(q2, tl.trans(tl.load(kp + 2 * P, mask=wm[:, None], other=0.0).to(tl.float16)), s)
+                s = tl.dot(q3, tl.trans(tl.load(kp + 3 * P, mask=wm[:, None], other=0.0).to(tl.float16)), s)
+                s = tl.where(w[None, :] < lim[:, None], s, float("-inf"))
+                p, alpha, m_i, l_i = _online(s, m_i, l_i)
+                p16 = p.to(tl.float16)
+                vp = wv_ptr + wbase + w[:, None] * stride_wt + j[None, :]
+                acc0 = tl.dot(p16, tl.load(vp, mask=wm[:, None], other=0.0).to(tl.float16), acc0 * alpha[:, None])
+                acc1 = tl.dot(p16, tl.load(vp + P, mask=wm[:, None], other=0.0).to(tl.float16), acc1 * alpha[:, None])
+                acc2 = tl.dot(p16, tl.load(vp + 2 * P, mask=wm[:, None], other=0.0).to(tl.float16), acc2 * alpha[:, None])
+                acc3 = tl.dot(p16, tl.load(vp + 3 * P, mask=wm[:, None], other=0.0).to(tl.float16), acc3 * alpha[:, None])
+
+        # ---- this part's normalized output and its log2-sum-exp (-inf and 0 when it saw no token)
+        has = l_i > 0
+        inv = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        o_rows = po_ptr + b * stride_pb + qpos[:, None] * stride_pt + head[:, None] * stride_ph \
+            + split * stride_ps + j[None, :]
+        tl.store(o_rows, acc0 * inv[:, None], mask=rmask[:, None])
+        tl.store(o_rows + P, acc1 * inv[:, None], mask=rmask[:, None])
+        tl.store(o_rows + 2 * P, acc2 * inv[:, None], mask=rmask[:, None])
+        tl.store(o_rows + 3 * P, acc3 * inv[:, None], mask=rmask[:, None])
+        tl.store(pl_ptr + b * stride_lb + qpos * stride_lt + head * stride_lh + split, lse, mask=rmask)
+
+    @triton.jit(do_not_specialize=["NPARTS"])
+    def _merge_kernel(po_ptr, pl_ptr, o_ptr, NPARTS, SP: tl.constexpr, D: tl.constexpr, DC: tl.constexpr,
+                      CH: tl.constexpr):
+        # grid: (B · QL · Hq, D / DC): DC dims of one output row from its NPARTS partial rows, weights
+        # exp2(lse_i - max). Many small programs and CH parts per load: with few rows (B = 1, 12 heads)
+        # and a hundred splits, one program per row looping over the parts was a fixed ~20 µs.
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * DC + tl.arange(0, DC)
+        s = tl.arange(0, SP)
+        lse = tl.load(pl_ptr + row * NPARTS + s, mask=s < NPARTS, other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # no part saw a token: output 0, not NaN
+        den = tl.sum(tl.exp2(lse - mx), axis=0)
+        acc = tl.zeros([DC], tl.float32)
+        for c in range(0, NPARTS, CH):
+            sc = c + tl.arange(0, CH)
+            m = sc < NPARTS
+            w = tl.exp2(tl.load(pl_ptr + row * NPARTS + sc, mask=m, other=float("-inf")) - mx)
+            po = tl.load(po_ptr + (row * NPARTS + sc[:, None]) * D + d[None, :], mask=m[:, None], other=0.0)
+            acc += tl.sum(po * w[:, None], axis=0)
+        tl.store(o_ptr + row * D + d, acc / tl.where(den > 0, den, 1.0))
+
+
+def auto_splits(max_tokens: int, batch: int, programs_per_split: int, block_n: int = 128,
+                target_programs: int = 264, min_chunk: int = 256, max_splits: int = 512) -> int:
+    """Splits S of the quantized part so that batch · programs_per_split · (S + 1) programs (the + 1 is
+    the bf16 part's program) come to about target_programs, without chunks under min_chunk tokens.
+
+    264 = 2 programs per SM on the H200's 132 SMs (the register count allows 2): one full wave. Run 2 of
+    bench_kv counted only S and launched 268 programs, 1.02 waves, and Nsight Compute put the tail of
+    that partial wave at up to half the kernel's time (docs/kv-cache.md)."""
+    by_len = max(1, max_tokens // max(min_chunk, block_n))
+    by_grid = max(1, target_programs // max(1, batch * programs_per_split) - 1)
+    return int(max(1, min(by_len, by_grid, max_splits)))
+
+
+def decode(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, n_quant: torch.Tensor,
+           win_k: torch.Tensor, win_v: torch.Tensor, n_win: torch.Tensor, fmt: KVFormat, block_size: int,
+           sm_scale: float, *, grouped: bool = True, num_splits: int | None = None, block_n: int | None = None,
+           block_w: int = 32, unpack: int = 2, num_warps: int = 4, num_stages: int | None = 2, ilp: bool = False,
+           out: torch.Tensor | None = None, heads_per_program: int | None = None,
+           _unsafe: bool = False) -> torch.Tensor:
+    """Rotated queries q_rot [B, QL, Hq, D] -> rotated attention output [B, QL, Hq, D] float32.
+
+    cache uint8 [num_blocks, Hkv, block_size · slot_bytes]; block_table int32 [B, max_blocks];
+    n_quant int32 [B] tokens in pages; win_k/win_v bf16 [B, Hkv, Wcap, D] (rotated, contiguous last dim)
+    with n_win int32 [B] tokens (newest last, the QL query tokens among them). grouped=False runs one
+    program per query head (the baseline); heads_per_program sets the head tile directly (it must divide
+    the GQA group; `_unsafe=True` skips that check, for the test that shows the comparison catches it).
+    num_splits None picks auto_splits from n_quant (a host sync). unpack: 0 "cvt", 1 "bits", 2 "bits"
+    with the third key bit in its own products (fewest instructions; see the module docstring).
+    Defaults are the H200 sweep's best (bench_kv run 2): unpack 2, BLOCK_N 128, 4 warps, 2 stages, no
+    ILP split (independent per-piece product chains spilled at BLOCK_N 128 and were slower).
+    """
+    require()
+    bsz, ql, hq, d = q_rot.shape
+    hkv = cache.shape[1]
+    if hq % hkv or d != fmt.head_dim or cache.shape[2] != fmt.page_bytes(block_size):
+        raise ValueError(f"decode: q {tuple(q_rot.shape)}, cache {tuple(cache.shape)} do not match {fmt} / "
+                         f"block_size {block_size}")
+    group = hq // hkv
+    ht = heads_per_program or (group if grouped else 1)
+    if group % ht and not _unsafe:
+        raise ValueError(f"decode: a head tile of {ht} does not divide the GQA group of {group}: its rows "
+                         "would read the wrong KV head")
+    if hq % ht:
+        raise ValueError(f"decode: {hq} query heads do not split into tiles of {ht}")
+    if block_n is None:  # the largest tile that divides the page (128 was fastest on the H200)
+        block_n = next(n for n in (128, 64, 32, 16) if block_size % n == 0 or n == 16)
+    if block_size % block_n:
+        raise ValueError(f"decode: BLOCK_N {block_n} must divide the page size {block_size}")
+    if q_rot.stride(-1) != 1 or win_k.stride(-1) != 1 or win_k.stride() != win_v.stride():
+        raise ValueError("decode: q and window tensors need contiguous last dims (and equal window strides)")
+    if num_splits is None:
+        num_splits = auto_splits(int(n_quant.max().item()) if n_quant.numel() else 0, bsz, hq // ht, block_n)
+    rows = max(16, triton.next_power_of_2(ql * ht))
+    nparts = num_splits + 1
+    dev = q_rot.device
+    po = torch.empty(bsz, ql, hq, nparts, d, dtype=torch.float32, device=dev)
+    pl = torch.empty(bsz, ql, hq, nparts, dtype=torch.float32, device=dev)
+    kw = {} if num_stages is None else {"num_stages": num_stages}
+    _decode_kernel[(bsz, hq // ht, nparts)](
+        q_rot, cache, block_table, n_quant, win_k, win_v, n_win, po, pl, sm_scale * LOG2E, num_splits,
+        q_rot.stride(0), q_rot.stride(1), q_rot.stride(2), cache.stride(0), cache.stride(1), block_table.stride(0),
+        win_k.stride(0), win_k.stride(1), win_k.stride(2), po.stride(0), po.stride(1), po.stride(2), po.stride(3),
+        pl.stride(0), pl.stride(1), pl.stride(2), BS=block_size, D=d, QL=ql, HT=ht, GROUP=group, ROWS=rows, K_BITS=fmt.k_bits,
+        BLOCK_N=block_n, BLOCK_W=block_w, UNPACK=unpack, ILP=int(ilp), num_warps=num_warps, **kw)
+    if out is None:
+        out = torch.empty(bsz, ql, hq, d, dtype=torch.float32, device=dev)
+    _merge_kernel[(bsz * ql * hq, d // 64)](po, pl, out, nparts, SP=max(16, triton.next_power_of_2(nparts)), D=d,
+                                            DC=64, CH=64, num_warps=4)
+    return out
