@@ -31,6 +31,7 @@ from bonsai_vllm.core import allreduce as core_allreduce  # noqa: E402
 from bonsai_vllm.core.format import pack_ternary  # noqa: E402
 from bonsai_vllm.core.hadamard import signed_block_hadamard  # noqa: E402
 from bonsai_vllm.core.kernels import allreduce, gemv, hadamard, int8mm, linear  # noqa: E402
+from interpreter_scope import restore  # noqa: E402
 from bonsai_vllm.core.ternary import (  # noqa: E402
     dequantize,
     int8_decompose,
@@ -49,15 +50,8 @@ def _interpreter_scope():
     """Keep TRITON_INTERPRET from leaking into later tests and the vLLM servers they start."""
     yield
     if not GPU:
-        if _PREV_INTERPRET is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
-        import bonsai_vllm.core.kernels as pkg
-
-        for name in _JIT_MODULES:  # decorated as interpreted functions: let a later import redo them
-            sys.modules.pop(f"bonsai_vllm.core.kernels.{name}", None)
-            pkg.__dict__.pop(name, None)
+        # decorated as interpreted functions: let a later import redo them
+        restore(_PREV_INTERPRET, [f"bonsai_vllm.core.kernels.{name}" for name in _JIT_MODULES])
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -10,7 +10,6 @@ Outputs are poisoned (NaN) first and must be fully written.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -29,6 +28,7 @@ from bonsai_vllm.core.kv import store as st  # noqa: E402
 from bonsai_vllm.core.kv.cache import LayerKVCache  # noqa: E402
 from bonsai_vllm.core.kv.format import K2V2, K3V2  # noqa: E402
 from bonsai_vllm.core.kv.rotation import KVRotation  # noqa: E402
+from interpreter_scope import restore  # noqa: E402
 
 DEV = "cuda" if GPU else "cpu"
 D = 256
@@ -41,12 +41,7 @@ def _interpreter_scope():
     """Keep TRITON_INTERPRET from leaking into later tests; let later imports decorate the kernels anew."""
     yield
     if not GPU:
-        if _PREV_INTERPRET is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
-        for name in ("store", "decode"):
-            sys.modules.pop(f"bonsai_vllm.core.kv.{name}", None)
+        restore(_PREV_INTERPRET, [f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")])
 
 
 def _pages(fmt, hkv, lens, bs, seed, extra_blocks=3):
