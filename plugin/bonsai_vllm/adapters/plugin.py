@@ -28,4 +28,14 @@ def register() -> None:
 
     patch_qwen3_5_loader()
     patch_tp_all_reduce()
+    register_k3v2_backend()
     logger.info("bonsai_vllm plugin loaded (pid %d)", os.getpid())
+
+
+def register_k3v2_backend() -> None:
+    """Name the K3V2 attention backend in vLLM's registry (vLLM's own hook). Only the registry is imported
+    here; the backend module loads when a patched platform selects it for --kv-cache-dtype k3v2."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if "BONSAI_K3V2" not in AttentionBackendEnum.__members__:
+        register_backend("BONSAI_K3V2", "bonsai_vllm.adapters.k3v2_attention.K3V2AttentionBackend")

@@ -92,8 +92,8 @@ if triton is not None:
         p = tl.exp2(s - m_safe[:, None])
         return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
-    @triton.jit(do_not_specialize=["NUM_SPLITS"])
-    def _decode_kernel(q_ptr, cache_ptr, bt_ptr, nq_ptr, wk_ptr, wv_ptr, nw_ptr, po_ptr, pl_ptr, qk_scale, NUM_SPLITS,
+    @triton.jit(do_not_specialize=["NUM_SPLITS", "Q_START"])
+    def _decode_kernel(q_ptr, cache_ptr, bt_ptr, nq_ptr, wk_ptr, wv_ptr, nw_ptr, po_ptr, pl_ptr, qk_scale, NUM_SPLITS, Q_START,
                        stride_qb, stride_qt, stride_qh, stride_cb, stride_ch, stride_btb,
                        stride_wb, stride_wh, stride_wt, stride_pb, stride_pt, stride_ph, stride_ps,
                        stride_lb, stride_lt, stride_lh, BS: tl.constexpr, D: tl.constexpr, QL: tl.constexpr,
@@ -166,7 +166,8 @@ if triton is not None:
                 pg = tl.load(bt_ptr + b * stride_btb + t0 // BS).to(tl.int64)
                 base = cache_ptr + pg * stride_cb + kvh * stride_ch
                 off = t0 % BS + tl.arange(0, BLOCK_N)
-                tm = t0 + tl.arange(0, BLOCK_N) < end
+                tok = t0 + tl.arange(0, BLOCK_N)
+                tm = (tok < end) & (tok >= Q_START)  # pages before Q_START hold the bf16 sinks' tokens
                 # K bytes as [P, BLOCK_N] (dims × tokens): see _kcodes
                 lo = tl.load(base + off[None, :] * P + j[:, None], mask=tm[None, :], other=0).to(tl.int32)
                 if K_BITS == 3 and UNPACK == 2:
@@ -308,7 +309,7 @@ def decode(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
            win_k: torch.Tensor, win_v: torch.Tensor, n_win: torch.Tensor, fmt: KVFormat, block_size: int,
            sm_scale: float, *, grouped: bool = True, num_splits: int | None = None, block_n: int | None = None,
            block_w: int = 32, unpack: int = 2, num_warps: int = 4, num_stages: int | None = 2, ilp: bool = False,
-           out: torch.Tensor | None = None, heads_per_program: int | None = None,
+           out: torch.Tensor | None = None, heads_per_program: int | None = None, q_start: int = 0,
            _unsafe: bool = False) -> torch.Tensor:
     """Rotated queries q_rot [B, QL, Hq, D] -> rotated attention output [B, QL, Hq, D] float32.
 
@@ -317,6 +318,8 @@ def decode(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     with n_win int32 [B] tokens (newest last, the QL query tokens among them). grouped=False runs one
     program per query head (the baseline); heads_per_program sets the head tile directly (it must divide
     the GQA group; `_unsafe=True` skips that check, for the test that shows the comparison catches it).
+    q_start: page tokens [0, q_start) are skipped (a serving engine's pages hold every token, the sinks'
+    too, while their bf16 copies are in the window), as in reference.decode_ref.
     num_splits None picks auto_splits from n_quant (a host sync). unpack: 0 "cvt", 1 "bits", 2 "bits"
     with the third key bit in its own products (fewest instructions; see the module docstring).
     Defaults are the H200 sweep's best (bench_kv run 2): unpack 2, BLOCK_N 128, 4 warps, 2 stages, no
@@ -350,7 +353,7 @@ def decode(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     pl = torch.empty(bsz, ql, hq, nparts, dtype=torch.float32, device=dev)
     kw = {} if num_stages is None else {"num_stages": num_stages}
     _decode_kernel[(bsz, hq // ht, nparts)](
-        q_rot, cache, block_table, n_quant, win_k, win_v, n_win, po, pl, sm_scale * LOG2E, num_splits,
+        q_rot, cache, block_table, n_quant, win_k, win_v, n_win, po, pl, sm_scale * LOG2E, num_splits, q_start,
         q_rot.stride(0), q_rot.stride(1), q_rot.stride(2), cache.stride(0), cache.stride(1), block_table.stride(0),
         win_k.stride(0), win_k.stride(1), win_k.stride(2), po.stride(0), po.stride(1), po.stride(2), po.stride(3),
         pl.stride(0), pl.stride(1), pl.stride(2), BS=block_size, D=d, QL=ql, HT=ht, GROUP=group, ROWS=rows, K_BITS=fmt.k_bits,

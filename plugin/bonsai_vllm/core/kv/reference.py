@@ -155,13 +155,15 @@ def gather_ref(cache: torch.Tensor, block_table: torch.Tensor, n: int, fmt: KVFo
 
 def decode_ref(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, n_quant: torch.Tensor,
                win_k: torch.Tensor, win_v: torch.Tensor, n_win: torch.Tensor, fmt: KVFormat, block_size: int,
-               sm_scale: float, return_parts: bool = False):
+               sm_scale: float, return_parts: bool = False, q_start: int = 0):
     """Attention of rotated queries over (dequantized pages ++ bf16 window), merged by log-sum-exp.
 
     q_rot [B, QL, Hq, D]; pages hold n_quant[b] tokens; win_k/win_v [B, Hkv, Wcap, D] (rotated, bf16) hold
     n_win[b] tokens, the newest last. Query position j of QL sees the quantized part and the window up to
     n_win - (QL - 1 - j) (the verify rows of speculative decoding are the newest tokens, in the window).
-    Returns the rotated output [B, QL, Hq, D] float32 (computed in float64).
+    Page tokens [0, q_start) are left out (a serving engine keeps every token in the pages, the sinks
+    too, whose bf16 copies are in the window). Returns the rotated output [B, QL, Hq, D] float32
+    (computed in float64).
     """
     bsz, ql, hq, d = q_rot.shape
     hkv = cache.shape[1]
@@ -172,8 +174,9 @@ def decode_ref(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
         nq, nw = int(n_quant[b]), int(n_win[b])
         # query heads grouped by their KV head: [QL, Hkv, G, D] (no copies of K/V per query head)
         q = (q_rot[b].double() * sm_scale).reshape(ql, hkv, g, d)
-        if nq:
+        if nq > q_start:
             kd, vd = decode_slots(gather_ref(cache, block_table[b], nq, fmt, block_size), fmt)  # [nq, Hkv, D]
+            kd, vd = kd[q_start:], vd[q_start:]
             s1 = torch.einsum("qhgd,nhd->qhgn", q, kd.double())
             lse1 = torch.logsumexp(s1, -1)
             o1 = torch.einsum("qhgn,nhd->qhgd", torch.softmax(s1, -1), vd.double())

@@ -1,0 +1,250 @@
+"""vLLM 0.32 attention backend for `--kv-cache-dtype k3v2`: thin glue around core/kv/paged.py.
+
+Selected through the patched platform lists (plugin/patches/0004, 0005) under the name BONSAI_K3V2,
+which `register()` adds with vLLM's own hook (registry.register_backend). What it does per layer:
+
+- `customize_spec`: pages of `paged.content_bytes` per token per KV head (200 B at head_dim 256: 168 B of
+  packed K3V2 + the bf16 sinks/ring share), so vLLM's hybrid block-size alignment, pool sizing and
+  allocation all see the real page. Layout LBHNC ([block, head, token, byte]): one (block, head) page is
+  contiguous, as core/kv's kernels read it. Kernel block = the whole block (MultipleOf(16)): pages are
+  never split, since each carries its own bf16 area.
+- `do_kv_cache_update`: rotate K/V (per-layer randomized Hadamard), write packed slots (Triton store on
+  CUDA, reference on CPU) and the bf16 sink/ring slots.
+- `forward`: decode rows and speculative verify rows (query_len <= 1 + num_speculative_tokens: the
+  builder declares spec-as-decode, so vLLM orders them first) go through `PagedK3V2.decode` (the grouped
+  decode kernel on CUDA, the reference on CPU), causal inside the row; prefill rows through
+  `PagedK3V2.prefill_row` (dequantize + exact attention). Both follow one rule (see paged.py), so a
+  verify row is never computed as a prefill that forgets the cached context.
+
+Not yet: CUDA graphs (the builder says NEVER: attention runs eagerly between piecewise graphs), a fused
+prefill kernel, calibrated rotation files (the data-free Hadamard is used).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from bonsai_vllm.core.kv.format import K3V2, KVFormat
+from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes
+from bonsai_vllm.core.kv.rotation import KVRotation
+
+NAME = "BONSAI_K3V2"
+CACHE_DTYPE = "k3v2"
+
+
+def k3v2_format(head_size: int) -> KVFormat:
+    return K3V2.with_(head_dim=head_size)
+
+
+def _num_spec_tokens(vllm_config) -> int:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", None) or 0) if spec is not None else 0
+
+
+class K3V2AttentionBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = [CACHE_DTYPE]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["K3V2AttentionImpl"]:
+        return K3V2AttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["K3V2MetadataBuilder"]:
+        return K3V2MetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        if spec.state_content_bytes is not None:
+            return spec
+        return replace(spec, state_content_bytes=content_bytes(k3v2_format(spec.head_size)))
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return kv_cache_dtype == CACHE_DTYPE
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size >= 64 and head_size & (head_size - 1) == 0
+
+
+@dataclass
+class K3V2Metadata(AttentionMetadata):
+    seq_lens: torch.Tensor  # [num_reqs] context incl. this step's tokens (device)
+    seq_lens_cpu: torch.Tensor  # [num_reqs] (precise for prefill rows)
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    num_decodes: int  # decode + verify rows, first in the batch
+    num_decode_tokens: int
+
+
+class K3V2MetadataBuilder(AttentionMetadataBuilder[K3V2Metadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Verify rows (1 + num_speculative_tokens queries) are decode rows: vLLM orders them first.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> K3V2Metadata:
+        cam = common_attn_metadata
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
+            cam, decode_threshold=self.reorder_batch_threshold)
+        seq_cpu = cam.seq_lens_cpu_upper_bound
+        if seq_cpu is None:
+            seq_cpu = cam.seq_lens.cpu()
+        return K3V2Metadata(seq_lens=cam.seq_lens[:cam.num_reqs], seq_lens_cpu=seq_cpu[:cam.num_reqs],
+                            query_start_loc_cpu=cam.query_start_loc_cpu[:cam.num_reqs + 1],
+                            block_table=cam.block_table_tensor[:cam.num_reqs], slot_mapping=cam.slot_mapping,
+                            num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
+                            num_decode_tokens=num_decode_tokens)
+
+
+_LAYER_IDX = re.compile(r"layers\.(\d+)\.")
+
+
+class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
+    supports_quant_query_input: bool = False
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = CACHE_DTYPE,
+                 logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **kwargs):
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
+            raise NotImplementedError("K3V2: no ALiBi, sliding window or logit soft-cap")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError("K3V2: decoder self-attention only")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.fmt = k3v2_format(head_size)
+        self.guard = _num_spec_tokens(get_current_vllm_config())
+        self._rot: dict[tuple[str, str], KVRotation] = {}
+        self._geom: dict[int, PagedK3V2] = {}
+
+    # ------------------------------------------------------------------------------------ helpers
+    def rotation(self, layer, device: torch.device) -> KVRotation:
+        name = getattr(layer, "layer_name", "") or ""
+        key = (name, str(device))
+        if key not in self._rot:
+            m = _LAYER_IDX.search(name)
+            self._rot[key] = KVRotation.randomized_hadamard(int(m.group(1)) if m else 0, self.num_kv_heads,
+                                                            self.head_size).to(device)
+        return self._rot[key]
+
+    def pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, PagedK3V2]:
+        """vLLM's [blocks, heads, tokens, bytes] view -> core's [blocks, heads, page bytes] and geometry."""
+        nb, h, bs, c = kv_cache.shape
+        if bs not in self._geom:
+            g = PagedK3V2(self.fmt, bs, self.guard)
+            g.validate()
+            self._geom[bs] = g
+        return kv_cache.flatten(2), self._geom[bs]
+
+    @staticmethod
+    def use_kernels(t: torch.Tensor) -> bool:
+        if not t.is_cuda:
+            return False
+        from bonsai_vllm.core.kernels._triton import triton
+
+        return triton is not None
+
+    # ------------------------------------------------------------------------------------ vLLM API
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        n = slot_mapping.shape[0]
+        if n == 0 or kv_cache.numel() == 0:
+            return
+        cache, geom = self.pages(kv_cache)
+        rot = self.rotation(layer, key.device)
+        k = key[:n].view(n, self.num_kv_heads, self.head_size)
+        v = value[:n].view(n, self.num_kv_heads, self.head_size)
+        geom.write(cache, rot.rotate_k(k), rot.rotate_v(v), slot_mapping[:n], use_kernels=self.use_kernels(key))
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: K3V2Metadata, output: torch.Tensor | None = None, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        if output is None:
+            output = torch.empty(query.shape[0], self.num_heads * self.head_size, dtype=query.dtype,
+                                 device=query.device)
+        if attn_metadata is None:  # profiling run
+            return output.fill_(0)
+        md = attn_metadata
+        n = md.num_actual_tokens
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        cache, geom = self.pages(kv_cache)
+        rot = self.rotation(layer, query.device)
+        q_rot = rot.rotate_q(query[:n].view(n, self.num_heads, self.head_size))
+        qsl = md.query_start_loc_cpu.tolist()
+        qlens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+        kernels = self.use_kernels(query)
+
+        # decode and verify rows, grouped by query length (one launch per length)
+        groups: dict[int, list[int]] = {}
+        prefill_rows = []
+        for r, ql in enumerate(qlens):
+            if ql == 0:
+                continue
+            if r < md.num_decodes and ql <= geom.window:
+                groups.setdefault(ql, []).append(r)
+            else:
+                prefill_rows.append(r)
+        for ql, rows in groups.items():
+            tok = torch.tensor([qsl[r] + j for r in rows for j in range(ql)], device=query.device)
+            ridx = torch.tensor(rows, device=query.device)
+            o = geom.decode(q_rot[tok].view(len(rows), ql, self.num_heads, self.head_size), cache,
+                            md.block_table[ridx], md.seq_lens[ridx], self.scale, use_kernels=kernels)
+            out[tok] = rot.unrotate_out(o).reshape(-1, self.num_heads, self.head_size).to(out.dtype)
+
+        if prefill_rows:
+            seq_cpu = md.seq_lens_cpu.tolist()
+            for r in prefill_rows:
+                a, b = qsl[r], qsl[r + 1]
+                k = key[a:b].view(b - a, self.num_kv_heads, self.head_size)
+                v = value[a:b].view(b - a, self.num_kv_heads, self.head_size)
+                o = geom.prefill_row(q_rot[a:b], rot.rotate_k(k), rot.rotate_v(v), cache, md.block_table[r],
+                                     int(seq_cpu[r]), self.scale)
+                out[a:b] = rot.unrotate_out(o).to(out.dtype)
+        return output
+
