@@ -151,7 +151,8 @@ def test_page_size_is_the_core_format_plus_bf16_share():
 def test_builder_takes_verify_rows_as_decode_rows():
     h = Harness(num_spec=2)
     assert h.builder.reorder_batch_threshold == 3  # 1 + num_speculative_tokens
-    assert h.impl.guard == 2
+    assert h.impl.guard == 4  # fixed (SPEC_GUARD): the window does not change with speculative decoding
+    assert Harness(num_spec=6).impl.guard == 6
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes
 from bonsai_vllm.core.kv.rotation import KVRotation
 
 NAME = "BONSAI_K3V2"
+SPEC_GUARD = 4  # oldest ring slots never trusted (paged.py): covers up to 4 speculative tokens
 CACHE_DTYPE = "k3v2"
 
 
@@ -159,7 +160,9 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.fmt = k3v2_format(head_size)
-        self.guard = _num_spec_tokens(get_current_vllm_config())
+        # The same window with and without speculative decoding (up to SPEC_GUARD draft tokens), so MTP
+        # on and off attend to the same exact/quantized positions: greedy output must not change.
+        self.guard = max(SPEC_GUARD, _num_spec_tokens(get_current_vllm_config()))
         self._rot: dict[tuple[str, str], KVRotation] = {}
         self._geom: dict[int, PagedK3V2] = {}
 

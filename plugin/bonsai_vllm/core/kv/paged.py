@@ -13,16 +13,17 @@ bf16 area written from the slot alone:
 The bf16 area is a fixed share of the page, `D / 8` bytes per token per KV head (one bf16 K+V token per
 32 tokens, +19% over the 168 B at D = 256), so vLLM's page size stays linear in the block size (its
 hybrid block-size alignment and pool sizing assume that): content_bytes(K3V2) = 200 at D = 256.
-The ring length therefore grows with the block: at the 27B's hybrid-aligned block (2080 tokens)
-it is 65 - 4 sinks = 61 tokens.
+The ring length therefore grows with the block: at the 27B's hybrid-aligned block (2080 tokens at
+TP=2) there are 65 bf16 slots: 4 sinks and a ring of 61, a recent window of 57 with the guard of 4.
 
 What attention sees (`exact_mask`): for a sequence of L tokens whose newest QL are this step's queries,
 positions [0, sink) and [L - max(window, QL), L) are exact (bf16, rotated), every other position is
 dequantized from its slot; causal inside the step's tokens. `window` = ring - guard is what the rings
 always hold: the newest `ring` offsets of the last block, continued by the previous block's tail. The
-guard (= the number of speculative tokens) keeps rejected draft tokens out: a rejected token at offset o
-has overwritten ring slot o % ring, which belongs to offset o - ring; the next step re-writes offsets
-from o on, but only as many as it schedules, so the oldest `guard` ring positions are not trusted.
+guard (>= the number of speculative tokens) keeps rejected draft tokens out: a rejected token at offset
+o has overwritten ring slot o % ring, which belongs to offset o - ring; the next step re-writes offsets
+from o on, but only as many as it schedules, so the oldest `guard` ring positions are not trusted. The
+vLLM backend uses guard = max(4, k), so the window is the same with speculative decoding on and off.
 
 Rows: a decode row (QL = 1) and a speculative verify row (QL = 1 + k) are the same thing here: their
 queries are the newest tokens, inside the window, so `decode` serves both (grouped kernel or reference,
@@ -125,8 +126,14 @@ class PagedK3V2:
         blk, off = slots // self.block_size, slots % self.block_size
         kv = torch.stack([k_rot, v_rot], dim=2).to(torch.bfloat16)  # [T, Hkv, 2, D]
         heads = torch.arange(kv.shape[1], device=kv.device)
+        # A chunk longer than the ring maps several of its tokens to one ring slot; an indexed store with
+        # repeated indices keeps an unspecified one of them, so write only each block's newest `ring`
+        # tokens of this batch (one block is written by one sequence per step; its offsets only grow).
+        newest = torch.full((cache.shape[0],), -1, dtype=off.dtype, device=off.device)
+        newest = newest.scatter_reduce(0, blk, off, reduce="amax")
+        last = off > newest[blk] - self.ring
         ring_slot = self.sink + off % self.ring
-        bf[blk[:, None], heads[None, :], ring_slot[:, None]] = kv
+        bf[blk[last][:, None], heads[None, :], ring_slot[last][:, None]] = kv[last]
         s = off < self.sink
         if bool(s.any()):
             bf[blk[s][:, None], heads[None, :], off[s][:, None]] = kv[s]
