@@ -11,12 +11,10 @@ import os
 
 import torch
 
-GPU = torch.cuda.is_available()
-if not GPU:
-    _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+import pytest
 
-import pytest  # noqa: E402
+GPU = torch.cuda.is_available()
+KERNELS = [f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")]
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernels are optional, the reference is used")
 
@@ -35,9 +33,15 @@ TOL = 2e-3  # decode kernel: fp16 rounding of the scaled query
 
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_scope():
+    """paged.py imports the kernels lazily: run this module's tests with the interpreter on and kernel
+    modules imported anew under it (another module may have imported them, or restored the variable)."""
+    if GPU:
+        yield
+        return
+    previous = os.environ.get("TRITON_INTERPRET")
+    restore("1", KERNELS)
     yield
-    if not GPU:
-        restore(_PREV_INTERPRET, [f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")])
+    restore(previous, KERNELS)
 
 
 def _filled(use_kernels: bool, lens=(5, 300, 600), guard=1, seed=0):

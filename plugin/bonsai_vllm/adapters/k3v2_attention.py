@@ -179,6 +179,9 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
     def pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, PagedK3V2]:
         """vLLM's [blocks, heads, tokens, bytes] view -> core's [blocks, heads, page bytes] and geometry."""
         nb, h, bs, c = kv_cache.shape
+        if kv_cache.stride(-1) != 1 or kv_cache.stride(-2) != c:  # flatten would copy: writes would be lost
+            raise RuntimeError(f"K3V2: a (block, head) page must be contiguous (layout LBHNC); strides "
+                               f"{kv_cache.stride()}")
         if bs not in self._geom:
             g = PagedK3V2(self.fmt, bs, self.guard)
             g.validate()
