@@ -16,12 +16,12 @@ import os
 import subprocess
 import sys
 
+import interpreter_scope
 import torch
 
 GPU = torch.cuda.is_available()
 if not GPU:  # must precede the first @triton.jit decoration (the kernel modules are imported lazily below)
-    _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    interpreter_scope.enable()
 
 import pytest  # noqa: E402
 
@@ -31,7 +31,6 @@ from bonsai_vllm.core import allreduce as core_allreduce  # noqa: E402
 from bonsai_vllm.core.format import pack_ternary  # noqa: E402
 from bonsai_vllm.core.hadamard import signed_block_hadamard  # noqa: E402
 from bonsai_vllm.core.kernels import allreduce, gemv, hadamard, int8mm, linear  # noqa: E402
-from interpreter_scope import restore  # noqa: E402
 from bonsai_vllm.core.ternary import (  # noqa: E402
     dequantize,
     int8_decompose,
@@ -48,10 +47,12 @@ _JIT_MODULES = ("hadamard", "gemv", "int8mm", "allreduce")  # the modules that h
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_scope():
     """Keep TRITON_INTERPRET from leaking into later tests and the vLLM servers they start."""
+    if not GPU:
+        interpreter_scope.enable()  # another kernel module's teardown may have reset it
     yield
     if not GPU:
         # decorated as interpreted functions: let a later import redo them
-        restore(_PREV_INTERPRET, [f"bonsai_vllm.core.kernels.{name}" for name in _JIT_MODULES])
+        interpreter_scope.restore([f"bonsai_vllm.core.kernels.{name}" for name in _JIT_MODULES])
 
 
 def _gen(seed: int) -> torch.Generator:
