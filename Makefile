@@ -32,7 +32,7 @@ PROXY_PORT ?= $(PORT)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-kv bench-priority doctor host lan lan-remove \
+.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys
 
 COMPOSE ?= docker compose
@@ -117,6 +117,9 @@ bench-proxy: system-deps ## gateway overhead: req/s, p50/p99, SSE first chunk, d
 
 bench-kernels: ## check, then time the Triton kernels at the 27B's TP=2 shapes (CUDA GPU; BENCH_ARGS=--sweep tries tiles)
 	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_kernels --out .cache/bench-kernels $(BENCH_ARGS)
+
+bench-decode: ## decode GEMV candidates (split-K fma, multi-row fma, int8 BM=16) side by side at M = 1…16 (CUDA GPU)
+	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_decode --out .cache/bench-decode $(BENCH_ARGS)
 
 bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) at the 27B's shapes (CUDA GPU)
 	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_kv --out .cache/bench-kv $(BENCH_ARGS)
