@@ -7,6 +7,7 @@ Each test that counts starts its own gateway, so its numbers hold only the reque
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 import time
@@ -15,8 +16,10 @@ from collections import defaultdict
 import pytest
 import requests
 
-from gateway_harness import KEYS, auth, free_port, keys_text
+from gateway_harness import KEYS, REPO, auth, free_port, keys_text
 from test_proxy_config import render_openresty, run_local
+
+DASHBOARD = REPO / "monitoring" / "grafana" / "dashboards" / "bonsai.json"
 
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
 LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"(,|$)')
@@ -283,3 +286,24 @@ def test_openresty_config_serves_metrics_on_its_own_listener(stub, tmp_path):
         proc.terminate()
         proc.wait(10)
         out.close()
+
+
+def dashboard_expressions() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_gateway_metrics_are_exposed(counted):
+    """Every gateway_* series a Grafana panel queries is one the live gateway serves."""
+    _, _, text = counted
+    _, samples = parse_exposition(text)
+    served = {name for name, _, _ in samples}
+    used = {name for expr in dashboard_expressions() for name in re.findall(r"\bgateway_[a-z_]+", expr)}
+    assert {"gateway_requests_total", "gateway_request_duration_seconds_bucket",
+            "gateway_upstream_first_byte_seconds_bucket"} <= used
+    assert used <= served, used - served
+    # The labels the panels group by exist on those series.
+    for label in {lab for expr in dashboard_expressions() if "gateway_" in expr
+                  for lab in re.findall(r"by \(([^)]*)\)", expr)}:
+        for name in (n.strip() for n in label.split(",")):
+            assert any(name in lab for s, lab, _ in samples if s.startswith("gateway_")), name
