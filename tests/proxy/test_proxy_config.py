@@ -57,15 +57,18 @@ def test_keys_example_loads(stub, make_gateway):
     assert stub.find(resp.headers["X-Request-Id"]).body == b'{"priority":5,"model":"m"}'
 
 
-def render_openresty(tmp_path, upstream: str, port: int):
-    """proxy/openresty.conf with its container paths pointed at this checkout and the two
-    load_module lines Debian's nginx needs (the only lines OpenResty would refuse)."""
+def render_openresty(tmp_path, upstream: str, port: int, metrics_port: int | None = None):
+    """proxy/openresty.conf with its container paths pointed at this checkout, its two listeners on
+    loopback ports and the two load_module lines Debian's nginx needs (the only lines OpenResty would
+    refuse)."""
     text = (PROXY / "openresty.conf").read_text()
     assert "load_module" not in text.replace("No load_module lines", "")
     text = text.replace("/usr/local/openresty/nginx/conf/gateway", str(PROXY))
     text = text.replace("/usr/local/openresty/nginx/logs/nginx.pid", str(tmp_path / "nginx.pid"))
     text = text.replace("server vllm:8000", f"server {upstream}")
     text = text.replace("listen 8080;", f"listen 127.0.0.1:{port};")
+    assert "listen 9145;" in text
+    text = text.replace("listen 9145;", f"listen 127.0.0.1:{metrics_port or free_port()};")
     (tmp_path / "t").mkdir(exist_ok=True)
     for temp in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         text = text.replace("http {", f"http {{\n    {temp}_temp_path {tmp_path}/t/{temp};", 1)
