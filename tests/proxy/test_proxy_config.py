@@ -3,6 +3,7 @@ config, which must fit the same shared files (checked here with `nginx -t` on De
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -78,10 +79,12 @@ def render_openresty(tmp_path, upstream: str, port: int, metrics_port: int | Non
     return conf
 
 
-def test_openresty_main_config_serves_with_the_shared_files(stub, tmp_path):
-    """Run proxy/openresty.conf itself (container paths pointed here, load_module lines added)."""
+@contextlib.contextmanager
+def openresty_gateway(tmp_path, stub, metrics_port: int | None = None):
+    """Run proxy/openresty.conf itself (container paths pointed here, load_module lines added) in front of
+    `stub`; yields the public URL once /healthz answers. Its stdout+stderr go to tmp_path/out.log."""
     port = free_port()
-    conf = render_openresty(tmp_path, stub.url.removeprefix("http://"), port)
+    conf = render_openresty(tmp_path, stub.url.removeprefix("http://"), port, metrics_port)
     keys = tmp_path / "keys"
     keys.write_text(keys_text())
     out = open(tmp_path / "out.log", "wb")
@@ -98,12 +101,17 @@ def test_openresty_main_config_serves_with_the_shared_files(stub, tmp_path):
             except requests.ConnectionError:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-        resp = requests.post(url + "/v1/chat/completions", data=b'{"stop":[]}', headers=auth("bench"))
-        assert stub.find(resp.headers["X-Request-Id"]).body == b'{"priority":10,"stop":[]}'
+        yield url
     finally:
         proc.terminate()
         proc.wait(10)
         out.close()
+
+
+def test_openresty_main_config_serves_with_the_shared_files(stub, tmp_path):
+    with openresty_gateway(tmp_path, stub) as url:
+        resp = requests.post(url + "/v1/chat/completions", data=b'{"stop":[]}', headers=auth("bench"))
+        assert stub.find(resp.headers["X-Request-Id"]).body == b'{"priority":10,"stop":[]}'
     # Its access log goes to stdout, as `docker compose logs` expects.
     assert '"source":"benchmarks"' in (tmp_path / "out.log").read_text()
 

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from gateway_harness import KEYS, REPO, auth, free_port, keys_text
-from test_proxy_config import render_openresty, run_local
+from test_proxy_config import openresty_gateway, run_local
 
 DASHBOARD = REPO / "monitoring" / "grafana" / "dashboards" / "bonsai.json"
 
@@ -251,27 +251,8 @@ def test_metrics_can_be_turned_off(stub, keys_file, make_gateway):
 
 def test_openresty_config_serves_metrics_on_its_own_listener(stub, tmp_path):
     """proxy/openresty.conf (the compose gateway): the metrics server it declares answers too."""
-    import os
-    import subprocess
-
-    port, metrics_port = free_port(), free_port()
-    conf = render_openresty(tmp_path, stub.url.removeprefix("http://"), port, metrics_port)
-    keys = tmp_path / "keys"
-    keys.write_text(keys_text())
-    out = open(tmp_path / "out.log", "wb")
-    proc = subprocess.Popen(["nginx", "-p", f"{tmp_path}/", "-c", str(conf), "-e", "stderr"],
-                            env={**os.environ, "PROXY_KEYS_FILE": str(keys)}, stdout=out, stderr=out)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 10
-        while True:
-            assert proc.poll() is None, (tmp_path / "out.log").read_text()
-            try:
-                requests.get(url + "/healthz", timeout=1)
-                break
-            except requests.ConnectionError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+    metrics_port = free_port()
+    with openresty_gateway(tmp_path, stub, metrics_port) as url:
         assert requests.get(url + "/v1/models", headers=auth("bench")).status_code == 200
         deadline = time.monotonic() + 5
         while True:
@@ -282,10 +263,6 @@ def test_openresty_config_serves_metrics_on_its_own_listener(stub, tmp_path):
             time.sleep(0.05)
         assert counts == {("benchmarks", "200"): 1}
         assert requests.get(url + "/metrics").status_code == 404
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        out.close()
 
 
 def dashboard_expressions() -> list[str]:

@@ -279,16 +279,7 @@ def warm_tasks(dev: str = "cuda") -> list:
 
 
 def warm_worker(index: int, jobs: int) -> int:
-    tasks = warm_tasks()
-    bad = 0
-    for i in range(index, len(tasks), jobs):
-        try:
-            tasks[i]()
-        except Exception as e:  # the main process meets it again and reports it
-            bad += 1
-            print(f"warm task {i}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    torch.cuda.synchronize()
-    return 1 if bad else 0
+    return bk.run_warm_tasks(warm_tasks(), index, jobs)
 
 
 def warm(jobs: int) -> None:

@@ -598,7 +598,12 @@ def warm_tasks(sweep: bool, dev: str = "cuda") -> list:
 
 
 def warm_worker(index: int, jobs: int, sweep: bool) -> int:
-    tasks = warm_tasks(sweep)
+    return run_warm_tasks(warm_tasks(sweep), index, jobs)
+
+
+def run_warm_tasks(tasks: list, index: int, jobs: int) -> int:
+    """Compile worker `index` of `jobs`: run every jobs-th task (each compiles one kernel configuration into
+    Triton's on-disk cache); 1 if any failed (the main process meets the failure again and reports it)."""
     bad = 0
     for i in range(index, len(tasks), jobs):
         try:
