@@ -32,8 +32,8 @@ PROXY_PORT ?= $(PORT)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-kv bench-priority doctor host lan lan-remove \
-	up down logs ps keys reload-keys
+.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv bench-priority doctor host lan lan-remove \
+	up down logs ps keys reload-keys monitoring
 
 COMPOSE ?= docker compose
 
@@ -44,8 +44,24 @@ up: .env proxy/keys ## start the stack on the GPU PC: model-fetch, vLLM (TP=2), 
 	@echo "  Open WebUI:  http://127.0.0.1:$${WEBUI_PORT:-3000}"
 	@echo "  API:         http://127.0.0.1:$${PROXY_PORT:-8080}/v1   (keys in proxy/keys; 'make keys' adds one)"
 
-down: ## stop the stack (volumes and the downloaded model are kept)
-	$(COMPOSE) down
+# With the monitoring profile named, `down` also stops Prometheus and Grafana if they run.
+down: ## stop the stack, monitoring included (volumes and the downloaded model are kept)
+	$(COMPOSE) --profile monitoring down
+
+# Grafana refuses to start without an admin password: the first run writes a random one to .env.
+monitoring: .env proxy/keys ## start the stack plus Prometheus and Grafana (profile monitoring; docs/monitoring.md)
+	@if ! grep -q '^GRAFANA_ADMIN_PASSWORD=.' .env; then \
+		pw=$$(head -c 32 /dev/urandom | base64 | tr -d '/+=\n' | head -c 24); \
+		if grep -q '^GRAFANA_ADMIN_PASSWORD=' .env; then \
+			sed -i "s|^GRAFANA_ADMIN_PASSWORD=.*|GRAFANA_ADMIN_PASSWORD=$$pw|" .env; \
+		else \
+			echo "GRAFANA_ADMIN_PASSWORD=$$pw" >> .env; \
+		fi; \
+		echo ">> wrote a random GRAFANA_ADMIN_PASSWORD to .env (Grafana user: admin)"; \
+	fi
+	$(COMPOSE) --profile monitoring up -d --build
+	@echo ""
+	@echo "  Grafana:  http://127.0.0.1:$${GRAFANA_PORT:-3001}   (user admin, password: GRAFANA_ADMIN_PASSWORD in .env)"
 
 logs: ## follow the stack's logs
 	$(COMPOSE) logs -f --tail=100
@@ -127,6 +143,9 @@ bench-proxy: system-deps ## gateway overhead: req/s, p50/p99, SSE first chunk, d
 
 bench-kernels: ## check, then time the Triton kernels at the 27B's TP=2 shapes (CUDA GPU; BENCH_ARGS=--sweep tries tiles)
 	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_kernels --out .cache/bench-kernels $(BENCH_ARGS)
+
+bench-decode: ## decode GEMV candidates (split-K fma, multi-row fma, int8 BM=16) side by side at M = 1…16 (CUDA GPU)
+	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_decode --out .cache/bench-decode $(BENCH_ARGS)
 
 bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) at the 27B's shapes (CUDA GPU)
 	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_kv --out .cache/bench-kv $(BENCH_ARGS)

@@ -223,6 +223,7 @@ def main() -> None:
         wait_port(stub_port, procs[-1], "stand-in")
         (work / "keys").write_text(f"{KEY} benchmarks 10\n")
         env = {**os.environ, "UPSTREAM": f"http://127.0.0.1:{stub_port}", "PORT": str(gw_port),
+               "METRICS_PORT": str(free_port()),
                "KEYS": str(work / "keys"), "RUN_DIR": str(work / "run"),
                "ACCESS_LOG": str(work / "access.log"), "PROXY_WORKERS": args.workers}
         gw_log = open(work / "gateway.log", "wb")

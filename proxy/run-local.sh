@@ -12,6 +12,7 @@
 # Settings (environment):
 #   UPSTREAM        model server, http://host:port               (default http://127.0.0.1:8000)
 #   PORT, LISTEN    where the gateway listens                      (default 8080 on 127.0.0.1)
+#   METRICS_PORT    Prometheus metrics listener, "off" for none    (default 9145, always on 127.0.0.1)
 #   KEYS            keys file                                      (default proxy/keys)
 #   RUN_DIR         rendered config, pid, temp files               (default ${TMPDIR:-/tmp}/gateway-$PORT)
 #   ACCESS_LOG      JSON access log                                (default /dev/stdout)
@@ -27,6 +28,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 UPSTREAM=${UPSTREAM:-http://127.0.0.1:8000}
 PORT=${PORT:-8080}
 LISTEN=${LISTEN:-127.0.0.1}
+METRICS_PORT=${METRICS_PORT:-9145}
 KEYS=${KEYS:-$here/keys}
 RUN_DIR=${RUN_DIR:-${TMPDIR:-/tmp}/gateway-$PORT}
 ACCESS_LOG=${ACCESS_LOG:-/dev/stdout}
@@ -48,6 +50,8 @@ done
 upstream_addr=${BASH_REMATCH[1]}
 [[ $upstream_addr == *:* ]] || upstream_addr="$upstream_addr:80"
 [[ $PORT =~ ^[0-9]+$ ]] || die "PORT must be a number, got '$PORT'"
+[[ $METRICS_PORT =~ ^([0-9]+|off)$ ]] || die "METRICS_PORT must be a number or off, got '$METRICS_PORT'"
+[[ $METRICS_PORT != "$PORT" ]] || die "METRICS_PORT must differ from PORT (the metrics need no key)"
 [[ -r $KEYS ]] || die "cannot read keys file '$KEYS' (copy proxy/keys.example to proxy/keys and edit it)"
 keys_file=$(cd "$(dirname "$KEYS")" && pwd)/$(basename "$KEYS")
 
@@ -59,6 +63,15 @@ RUN_DIR=$(cd "$RUN_DIR" && pwd)
 user_line=""
 if [[ $EUID -eq 0 ]]; then
     user_line="user root root;"
+fi
+
+# The metrics listener has no key, so it stays on loopback whatever LISTEN says.
+metrics_server=""
+if [[ $METRICS_PORT != off ]]; then
+    metrics_server="server {
+        listen 127.0.0.1:$METRICS_PORT;
+        include $here/conf/metrics.conf;
+    }"
 fi
 
 cat >"$RUN_DIR/nginx.conf" <<EOF
@@ -111,12 +124,16 @@ http {
         listen $LISTEN:$PORT;
         include $here/conf/server.conf;
     }
+
+    # Prometheus metrics (gateway.metrics), no key; loopback only.
+    $metrics_server
 }
 EOF
 
 export PROXY_KEYS_FILE=$keys_file
 
 echo "gateway: http://$LISTEN:$PORT -> $UPSTREAM, keys $keys_file" >&2
+[[ $METRICS_PORT == off ]] || echo "gateway: metrics at http://127.0.0.1:$METRICS_PORT/metrics" >&2
 echo "gateway: reload after editing keys: $NGINX -p $RUN_DIR/ -c nginx.conf -s reload" >&2
 
 # exec: the caller's pid is nginx's master, so Ctrl-C, SIGTERM and SIGHUP (reload) reach it directly.

@@ -37,6 +37,9 @@ def _die_with_parent() -> None:
         pass
 
 
+NOT_INHERITED = ("TRITON_INTERPRET",)
+
+
 class ServerFailed(RuntimeError):
     pass
 
@@ -54,7 +57,11 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-test-{self.port}.log")
-        self.env = {**os.environ, **(env or {})}
+        # Test-only switches of this process never reach the server unless `env` names them:
+        # TRITON_INTERPRET=1 (set by the kernel tests) would make the plugin run Triton's interpreter
+        # on the CPU forward at full size, which looks like a start-up hang.
+        inherited = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
+        self.env = {**inherited, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:

@@ -9,14 +9,13 @@ Outputs are poisoned (NaN) first and must be fully written.
 
 from __future__ import annotations
 
-import os
 
+import interpreter_scope
 import torch
 
 GPU = torch.cuda.is_available()
 if not GPU:  # must precede the first @triton.jit decoration (store/decode are imported below)
-    _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    interpreter_scope.enable()
 
 import pytest  # noqa: E402
 
@@ -28,7 +27,6 @@ from bonsai_vllm.core.kv import store as st  # noqa: E402
 from bonsai_vllm.core.kv.cache import LayerKVCache  # noqa: E402
 from bonsai_vllm.core.kv.format import K2V2, K3V2  # noqa: E402
 from bonsai_vllm.core.kv.rotation import KVRotation  # noqa: E402
-from interpreter_scope import restore  # noqa: E402
 
 DEV = "cuda" if GPU else "cpu"
 D = 256
@@ -39,9 +37,11 @@ TOL = 2e-3  # decode: fp16 rounding of the scaled query (measured ~4e-4)
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_scope():
     """Keep TRITON_INTERPRET from leaking into later tests; let later imports decorate the kernels anew."""
+    if not GPU:
+        interpreter_scope.enable()  # another kernel module's teardown may have reset it
     yield
     if not GPU:
-        restore(_PREV_INTERPRET, [f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")])
+        interpreter_scope.restore([f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")])
 
 
 def _pages(fmt, hkv, lens, bs, seed, extra_blocks=3):

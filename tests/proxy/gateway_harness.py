@@ -65,6 +65,9 @@ class Gateway:
         self.keys_file = keys_file
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The metrics listener (conf/metrics.conf): its own free port, so gateways can run side by side.
+        self.metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         self.access_log = run_dir / "access.log"
         self.stderr_path = run_dir / "stderr.log"
         self.env = dict(os.environ)
@@ -73,6 +76,7 @@ class Gateway:
         self.env.update({
             "UPSTREAM": upstream, "PORT": str(self.port), "KEYS": str(keys_file),
             "RUN_DIR": str(run_dir), "ACCESS_LOG": str(self.access_log),
+            "METRICS_PORT": str(self.metrics_port),
             "PROXY_WORKERS": "2", "PROXY_MAX_BODY_BYTES": str(MAX_BODY),
         })
         self.env.update(env or {})

@@ -3,6 +3,7 @@ config, which must fit the same shared files (checked here with `nginx -t` on De
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -57,15 +58,18 @@ def test_keys_example_loads(stub, make_gateway):
     assert stub.find(resp.headers["X-Request-Id"]).body == b'{"priority":5,"model":"m"}'
 
 
-def render_openresty(tmp_path, upstream: str, port: int):
-    """proxy/openresty.conf with its container paths pointed at this checkout and the two
-    load_module lines Debian's nginx needs (the only lines OpenResty would refuse)."""
+def render_openresty(tmp_path, upstream: str, port: int, metrics_port: int | None = None):
+    """proxy/openresty.conf with its container paths pointed at this checkout, its two listeners on
+    loopback ports and the two load_module lines Debian's nginx needs (the only lines OpenResty would
+    refuse)."""
     text = (PROXY / "openresty.conf").read_text()
     assert "load_module" not in text.replace("No load_module lines", "")
     text = text.replace("/usr/local/openresty/nginx/conf/gateway", str(PROXY))
     text = text.replace("/usr/local/openresty/nginx/logs/nginx.pid", str(tmp_path / "nginx.pid"))
     text = text.replace("server vllm:8000", f"server {upstream}")
     text = text.replace("listen 8080;", f"listen 127.0.0.1:{port};")
+    assert "listen 9145;" in text
+    text = text.replace("listen 9145;", f"listen 127.0.0.1:{metrics_port or free_port()};")
     (tmp_path / "t").mkdir(exist_ok=True)
     for temp in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
         text = text.replace("http {", f"http {{\n    {temp}_temp_path {tmp_path}/t/{temp};", 1)
@@ -75,10 +79,12 @@ def render_openresty(tmp_path, upstream: str, port: int):
     return conf
 
 
-def test_openresty_main_config_serves_with_the_shared_files(stub, tmp_path):
-    """Run proxy/openresty.conf itself (container paths pointed here, load_module lines added)."""
+@contextlib.contextmanager
+def openresty_gateway(tmp_path, stub, metrics_port: int | None = None):
+    """Run proxy/openresty.conf itself (container paths pointed here, load_module lines added) in front of
+    `stub`; yields the public URL once /healthz answers. Its stdout+stderr go to tmp_path/out.log."""
     port = free_port()
-    conf = render_openresty(tmp_path, stub.url.removeprefix("http://"), port)
+    conf = render_openresty(tmp_path, stub.url.removeprefix("http://"), port, metrics_port)
     keys = tmp_path / "keys"
     keys.write_text(keys_text())
     out = open(tmp_path / "out.log", "wb")
@@ -95,12 +101,17 @@ def test_openresty_main_config_serves_with_the_shared_files(stub, tmp_path):
             except requests.ConnectionError:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-        resp = requests.post(url + "/v1/chat/completions", data=b'{"stop":[]}', headers=auth("bench"))
-        assert stub.find(resp.headers["X-Request-Id"]).body == b'{"priority":10,"stop":[]}'
+        yield url
     finally:
         proc.terminate()
         proc.wait(10)
         out.close()
+
+
+def test_openresty_main_config_serves_with_the_shared_files(stub, tmp_path):
+    with openresty_gateway(tmp_path, stub) as url:
+        resp = requests.post(url + "/v1/chat/completions", data=b'{"stop":[]}', headers=auth("bench"))
+        assert stub.find(resp.headers["X-Request-Id"]).body == b'{"priority":10,"stop":[]}'
     # Its access log goes to stdout, as `docker compose logs` expects.
     assert '"source":"benchmarks"' in (tmp_path / "out.log").read_text()
 

@@ -24,10 +24,12 @@ def register() -> None:
     # Importing the module registers `prism_ternary` with vLLM's quantization registry.
     from bonsai_vllm.adapters import quantization  # noqa: F401
     from bonsai_vllm.adapters.allreduce import patch_tp_all_reduce
+    from bonsai_vllm.adapters.embedding import install_ssd_embedding
     from bonsai_vllm.adapters.loading import patch_qwen3_5_loader
 
     patch_qwen3_5_loader()
     patch_tp_all_reduce()
+    install_ssd_embedding()  # off unless BONSAI_SSD_EMBED_DIR is set; raises at start-up on a bad export
     register_k3v2_backend()
     logger.info("bonsai_vllm plugin loaded (pid %d)", os.getpid())
 

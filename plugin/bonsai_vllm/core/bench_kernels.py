@@ -15,7 +15,8 @@ On a CUDA GPU, one run:
 Shapes are per rank at TP=2: down_proj's 8704 is not a multiple of the 1024 Hadamard block (the split cuts
 block 8), so the GEMV and matmuls are timed on rotated input and the Hadamard on 1024-blocks of 2048×5120.
 `--sweep` also times alternative tile configurations; "ours" is the fastest checked candidate, and the
-dispatch tables (gemv.default_config, int8mm.default_config, linear.GEMV_MAX_M) were set from that sweep.
+dispatch tables (gemv.default_config, int8mm.default_config, linear.GEMV_MAX_M) were set from that sweep,
+for M <= 16 from bench_decode's (split-K and multi-row GEMV variants, int8 with a 16-row tile).
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ QUANT_BMS = [1, 2, 4]
 DOT_TOL = 5e-3  # relative error allowed to the GEMV's tensor-core path (three bf16 roundings)
 
 
-def gemv_configs(m: int, sweep: bool) -> list:
+def gemv_configs(m: int, sweep: bool, n: int = 0, k: int = 0) -> list:
     from bonsai_vllm.core.kernels import gemv
 
-    cfgs = [gemv.default_config(m, 0, 0)]
+    cfgs = [gemv.default_config(m, n, k)]  # n = k = 0: the rule for shapes outside gemv._MEASURED
     if sweep:
         if m == 1:
             cfgs += FMA_SWEEP
@@ -158,9 +159,12 @@ def check_prefill(packed, scales, w_ref, m, device, seed, verbose=True, name="",
                 verbose)
     y_ref_int8 = (torch._int_mm(xq_ref, w8_ref.t()).float() * ts_ref[:, None] * rs_ref[None, :])
     y_ref = xr.float() @ w_ref.t()
-    y1 = int8mm.int_mm_linear(xq, w8, ts, rs, None, torch.bfloat16, out=nan(m, n, device=device))
-    y2 = int8mm.int8_gemm(xq, w8, ts, rs, None, torch.bfloat16, out=nan(m, n, device=device), config=gemm_config)
-    for tag, y in (("int_mm+rescale", y1), (f"int8_gemm {gemm_config}", y2)):
+    ys = [(f"int8_gemm {gemm_config}", int8mm.int8_gemm(xq, w8, ts, rs, None, torch.bfloat16,
+                                                       out=nan(m, n, device=device), config=gemm_config))]
+    if m > 16:  # torch._int_mm refuses M <= 16
+        ys.append(("int_mm+rescale", int8mm.int_mm_linear(xq, w8, ts, rs, None, torch.bfloat16,
+                                                          out=nan(m, n, device=device))))
+    for tag, y in ys:
         ok &= check(f"{tag} {name} M={m} vs int8 ref", rel(y, y_ref_int8), 3e-3, verbose)
         ok &= check(f"{tag} {name} M={m} vs float32 judge", rel(y, y_ref), 2e-2, verbose)
     return ok
@@ -187,7 +191,7 @@ def run_checks(device, verbose: bool = True, shapes=None) -> list[str]:
                 y_ref = signed_block_hadamard(x.float(), signs, 1024) @ w_ref.t()
                 guard(f"ternary_linear {name} M={m}", lambda: check(
                     f"ternary_linear {name} M={m}", rel(linear.ternary_linear(x, tw), y_ref),
-                    3e-3 if m == 1 else (DOT_TOL if m <= linear.GEMV_MAX_M else 2e-2), verbose))
+                    3e-3 if m == 1 else (DOT_TOL if m <= linear.GEMV_MAX_M_NO_W8 else 2e-2), verbose))
         del w_ref
     guard("hadamard / quantize checks", _check_hadamard, verbose)
     guard("all-reduce checks", _check_allreduce, verbose)
@@ -365,7 +369,7 @@ def _bench_m(name, k, n, m, bw, device, sweep, seed, rows, sweep_rows, packed, s
     if m <= 64:
         xps = {dt: hadamard.gemv_order(xr, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
         best = None
-        for cfg in gemv_configs(m, sweep):
+        for cfg in gemv_configs(m, sweep, n, k):
             try:
                 if not check_gemv(packed, scales, w_ref, m, cfg, device, seed + 7 * m, verbose=False, name=name):
                     continue
@@ -554,7 +558,7 @@ def warm_tasks(sweep: bool, dev: str = "cuda") -> list:
     w8 = int8mm.expand_int8(packed, q)
     x = lambda m, kk=k: randn(m, kk, device=dev, seed=m)  # noqa: E731
     tasks = []
-    cfgs = [c for m in DECODE_MS for c in gemv_configs(m, sweep)]
+    cfgs = [c for m in DECODE_MS for _, kk, nn in SHAPES for c in gemv_configs(m, sweep, nn, kk)]
     for cfg in dict.fromkeys(cfgs):
         tasks.append(lambda cfg=cfg: gemv.ternary_gemv(hadamard.gemv_order(x(4), dtype=gemv.x_dtype(cfg)), packed,
                                                        scales, prepared=True, config=cfg))
@@ -594,7 +598,12 @@ def warm_tasks(sweep: bool, dev: str = "cuda") -> list:
 
 
 def warm_worker(index: int, jobs: int, sweep: bool) -> int:
-    tasks = warm_tasks(sweep)
+    return run_warm_tasks(warm_tasks(sweep), index, jobs)
+
+
+def run_warm_tasks(tasks: list, index: int, jobs: int) -> int:
+    """Compile worker `index` of `jobs`: run every jobs-th task (each compiles one kernel configuration into
+    Triton's on-disk cache); 1 if any failed (the main process meets the failure again and reports it)."""
     bad = 0
     for i in range(index, len(tasks), jobs):
         try:

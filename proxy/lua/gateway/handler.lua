@@ -3,7 +3,8 @@
 --   init()         init_by_lua (master, at start and at every reload): environment and keys file
 --   access()       access_by_lua on /v1/: key -> source and priority, limits, body check and splice
 --   body_filter()  body_filter_by_lua: gives back the in-flight slot as the last byte leaves
---   log()          log_by_lua (every request): gives it back if the body filter could not
+--   log()          log_by_lua (every request): gives it back if the body filter could not, and counts
+--                  the request in gateway.metrics
 --   upstream_error(status)  error_page for 502/503/504 that nginx itself produces
 --   too_large()    error_page 413 (nginx's hard body-size ceiling)
 --   internal_error()  error_page 500 (a fault in the gateway itself; the model server's 500s pass through)
@@ -17,6 +18,7 @@ local errors = require "gateway.errors"
 local body = require "gateway.body"
 local keys = require "gateway.keys"
 local limits = require "gateway.limits"
+local metrics = require "gateway.metrics"
 
 local ngx = ngx
 local match, tonumber = string.match, tonumber
@@ -200,13 +202,15 @@ function M.body_filter()
 end
 
 -- Requests whose body never reached its end (client gone mid-stream, header-only answers) give the
--- slot back here; nginx runs the log phase for every request.
+-- slot back here; nginx runs the log phase for every request. Then the request is counted (source,
+-- status, latency) for the metrics listener.
 function M.log()
     local var = ngx.var
     if var.gw_slot == "1" then
         var.gw_slot = ""
         limits.release_slot(var.gw_key_id)
     end
+    metrics.record()
 end
 
 function M.upstream_error(status)

@@ -22,19 +22,33 @@ words [BN, BW] then meets x'[m, i, w0:w0+BW], a contiguous vector in the same la
 reshapes, no layout conversions (a first version that decoded to [BN, BW, 16] and reshaped spent 10×
 longer moving the tile through shared memory).
 
-Two variants:
-- `fma` (M = 1; a few rows run as separate programs): float32 FMAs into a [BN, BW] accumulator, times the
-  exact float32 group scale once per word; weight loads double-buffered by hand (plain loads are not
-  software-pipelined by Triton).
-- `dot` (M >= 2): each code position i is one tensor-core product [BN, BW] · [BW, BM] (16 per step), the
-  decoded weights times their group scale as bf16 (the scale is rounded to bf16 there: relative 2^-9 per
-  group, what dequantizing to bf16 does), x' in bf16; M padded to BM >= 16 (the decode is the cost).
+Three variants:
+- `fma` (M = 1, 2; more rows run as separate programs that share each weight tile through L2): float32
+  FMAs into a [BN, BW] accumulator, times the exact float32 group scale once per word; weight loads
+  double-buffered by hand (plain loads are not software-pipelined by Triton). Optionally split-K: program
+  (m, t, s) walks only slice s of K, and the float32 partials are summed by one of three reductions
+  (`_epilogue`): "fixup" (one launch: each program stores its partial, counts itself in on its tile's
+  counter, and the last to arrive sums the partials in slice order, deterministic, writes y and resets the
+  counter), "pass" (partials, then `_splitk_reduce_kernel`), "atomic" (fp32 atomic_add into a zeroed
+  buffer, then the same pass as a cast).
+- `rows` (measured, not dispatched): one program decodes a weight tile once and applies it to BM rows held
+  in registers (acc [BM, BN, BW]), 3 + BM instructions per weight instead of ~3.3·BM. It lost to `fma` at
+  M = 2 (1.1-1.3× slower) and to `dot` at M = 4 … 16 (1.0-1.4× at 4 rows, 1.4-2.7× at 8-16), its time
+  growing ~3× faster per row than the FFMA issue rate predicts: Triton loads each x' tile [BM, BW] in a
+  layout of its own and converts it to the accumulator's through shared memory, with two barriers per code
+  position (32 per step) that hold the warps in step (ptxas sm_90: STSM + LDSM + 2 BAR per x' load).
+- `dot` (M >= 3 when W8 is not kept): each code position i is one tensor-core product [BN, BW] · [BW, BM]
+  (16 per step), the decoded weights times their group scale as bf16 (the scale is rounded to bf16 there:
+  relative 2^-9 per group, what dequantizing to bf16 does), x' in bf16; M padded to BM >= 16 (the decode
+  is the cost).
 
-Measured on the H200 (docs/benchmarks.md): `fma` at M = 1 runs at 4-12× the floor for reading the codes
-once (1.9× faster than bf16 cuBLAS on gate_up, 0.8× on down): ~3.3 instructions per weight against ~2 that
-the issue rate allows at full bandwidth, and the N = 5120 layers launch too few programs to hide latency
-(split-K would help). `dot` is slower than bf16 cuBLAS: Triton moves each decoded [BN, BW] operand
-through shared memory behind a barrier, per small dot (~9 instructions per weight in the SASS).
+Measured on the H200 (docs/benchmarks.md, `make bench-decode`): split-K took `fma` at M = 1 from 0.8-1.9×
+to 1.4-2.1× the speed of bf16 cuBLAS (down 33.7 -> 13.6 µs: 80 programs of 17 steps became 160 tiles × 6 slices
+of <= 3 steps). It is still 3.8-7.5× over the floor for reading the codes once: ~3.3 instructions per weight
+against the ~2 the issue rate allows at full bandwidth, and ~2 µs of launch and ramp on layers whose floor
+is 1 µs. `dot` is slower than bf16 cuBLAS: Triton moves each decoded [BN, BW] operand through shared
+memory behind a barrier, per small dot (~9 instructions per weight in the SASS); with W8 kept at load the
+int8 GEMM (int8mm.py, BM = 16) is faster from M = 3 and linear.py takes it there.
 """
 
 from __future__ import annotations
@@ -53,30 +67,66 @@ if triton is not None:
         return (pm & (0x4B000000 | (3 << (2 * J)))).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (2 * J)))
 
     @triton.jit
-    def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, KW, stride_xm, stride_ym,
-                         BN: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr):
-        # grid: (M, cdiv(N, BN)); one row of x' per program (the row index varies fastest, so the programs
-        # that share a tile of W run together and the later rows' reads of it hit L2).
+    def _epilogue(v, y_ptr, y_off, ws_ptr, ws_off, ws_split, b_ptr, n_off, mask, cnt_ptr, tile, pid_s, nsplit,
+                  REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Write one program's float32 sums v (any shape; y_off / ws_off / n_off / mask index it alike).
+
+        REDUCE 0: no split, v is the answer. 1: atomic_add into the zeroed float32 ws [M, N] (a cast pass
+        follows). 2: store the partial at ws[pid_s] [SPLIT, M, N] (a reduce pass follows). 3: store the
+        partial, then the program that finishes its tile last sums ws[0..SPLIT) in order (deterministic) and
+        writes y; it resets the tile's counter to 0 for the next launch.
+        """
+        if REDUCE == 0:
+            if HAS_BIAS:
+                v += tl.load(b_ptr + n_off, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + y_off, v.to(y_ptr.dtype.element_ty), mask=mask)
+        elif REDUCE == 1:
+            tl.atomic_add(ws_ptr + ws_off, v, mask=mask, sem="relaxed")
+        else:
+            tl.store(ws_ptr + pid_s * ws_split + ws_off, v, mask=mask)
+            if REDUCE == 3:
+                tl.debug_barrier()  # every thread's partial stored before the (releasing) count
+                done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+                if done == nsplit - 1:  # the last program of this tile: all partials are visible
+                    tot = tl.zeros_like(v)
+                    for s in range(0, nsplit):
+                        tot += tl.load(ws_ptr + s * ws_split + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    if HAS_BIAS:
+                        tot += tl.load(b_ptr + n_off, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(y_ptr + y_off, tot.to(y_ptr.dtype.element_ty), mask=mask)
+                    tl.atomic_xchg(cnt_ptr + tile, 0)
+
+    @triton.jit(do_not_specialize=["ITERS", "nsplit"])
+    def _gemv_fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, ITERS, nsplit, stride_xm,
+                         stride_ym, BN: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         REDUCE: tl.constexpr):
+        # grid: (M, cdiv(N, BN), SPLIT); one row of x' per program (the row index varies fastest, so the
+        # programs that share a tile of W run together and the later rows' reads of it hit L2). Program
+        # (m, t, s) covers words [s·ITERS·BW, (s+1)·ITERS·BW) of K (split-K: all of K when SPLIT = 1).
         m = tl.program_id(0)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        rn = pid_n * BN + tl.arange(0, BN)
         nmask = rn < N
         G = KW // 8  # groups of 128 (8 words) per row
-        wcol = tl.arange(0, BW)
-        wmask = nmask[:, None] & (wcol < KW)[None, :]
+        k0 = pid_s * ITERS * BW
+        kend = tl.minimum(k0 + ITERS * BW, KW)
+        wcol = k0 + tl.arange(0, BW)
+        wmask = nmask[:, None] & (wcol < kend)[None, :]
         # [BN, BW] words; masked-off words read as codes 0b01, value 0
         p = tl.load(w_ptr + rn[:, None] * KW + wcol[None, :], mask=wmask, other=0x55555555)
         s = tl.load(s_ptr + rn[:, None] * G + (wcol // 8)[None, :], mask=wmask, other=0.0)  # scale of each word
         acc = tl.zeros([BN, BW], dtype=tl.float32)
-        for it in range(0, tl.cdiv(KW, BW)):
+        for it in range(0, ITERS):
             # issue the next step's loads before this step's arithmetic (two tiles in flight per warp)
             wnext = wcol + BW
-            nmask2 = nmask[:, None] & (wnext < KW)[None, :]
+            nmask2 = nmask[:, None] & (wnext < kend)[None, :]
             p_next = tl.load(w_ptr + rn[:, None] * KW + wnext[None, :], mask=nmask2, other=0x55555555)
             s_next = tl.load(s_ptr + rn[:, None] * G + (wnext // 8)[None, :], mask=nmask2, other=0.0)
             lo = p | 0x4B000000
             hi = (p >> 16) | 0x4B000000
             xrow = x_ptr + m * stride_xm + wcol  # x'[m, 0, wcol]
-            xmask = wcol < KW
+            xmask = wcol < kend
             t = tl.zeros([BN, BW], dtype=tl.float32)
             for j in tl.static_range(8):
                 xl = tl.load(xrow + j * KW, mask=xmask, other=0.0)  # x'[m, j, w]: codes j
@@ -87,9 +137,67 @@ if triton is not None:
             acc = tl.fma(t, s.to(tl.float32), acc)
             p, s, wcol = p_next, s_next, wnext
         y = tl.sum(acc, axis=1)
+        _epilogue(y, y_ptr, m * stride_ym + rn, ws_ptr, m * N + rn, tl.num_programs(0) * N, b_ptr, rn, nmask,
+                  cnt_ptr, m * tl.num_programs(1) + pid_n, pid_s, nsplit, REDUCE, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M", "ITERS", "nsplit"])
+    def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KW, ITERS, nsplit, stride_xm,
+                          stride_ym, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          REDUCE: tl.constexpr):
+        # grid: (cdiv(M, BM), cdiv(N, BN), SPLIT). One program decodes a [BN, BW] tile of W once per step
+        # and applies it to BM rows of x' held in registers: acc [BM, BN, BW] += W'_j ⊙ x'_j over the 16
+        # code positions j. The decoded weight is scaled once (one FMUL, shared by the BM rows) so each
+        # (weight, row) costs one FFMA: 3 + BM instructions per weight instead of ~3.3·BM for BM programs.
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        pid_n = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        rn = pid_n * BN + tl.arange(0, BN)
+        mmask = rm < M
+        nmask = rn < N
+        G = KW // 8
+        k0 = pid_s * ITERS * BW
+        kend = tl.minimum(k0 + ITERS * BW, KW)
+        wcol = k0 + tl.arange(0, BW)
+        wmask = nmask[:, None] & (wcol < kend)[None, :]
+        p = tl.load(w_ptr + rn[:, None] * KW + wcol[None, :], mask=wmask, other=0x55555555)  # [BN, BW] words
+        s = tl.load(s_ptr + rn[:, None] * G + (wcol // 8)[None, :], mask=wmask, other=0.0)
+        acc = tl.zeros([BM, BN, BW], dtype=tl.float32)
+        xrow = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
+        for it in range(0, ITERS):
+            wnext = wcol + BW
+            nmask2 = nmask[:, None] & (wnext < kend)[None, :]
+            p_next = tl.load(w_ptr + rn[:, None] * KW + wnext[None, :], mask=nmask2, other=0x55555555)
+            s_next = tl.load(s_ptr + rn[:, None] * G + (wnext // 8)[None, :], mask=nmask2, other=0.0)
+            lo = p | 0x4B000000
+            hi = (p >> 16) | 0x4B000000
+            sf = s.to(tl.float32)
+            xb = xrow + wcol[None, :]  # x'[m, 0, w] as [BM, BW]
+            xmask = mmask[:, None] & (wcol < kend)[None, :]
+            for j in tl.static_range(8):
+                # loaded 2-D and expanded: Triton then loads x' straight in the accumulator's layout
+                # (a [BM, 1, BW] load got its own layout and a shared-memory conversion per load)
+                xl = tl.load(xb + j * KW, mask=xmask, other=0.0)
+                xh = tl.load(xb + (j + 8) * KW, mask=xmask, other=0.0)
+                acc = tl.fma((_decode(lo, j) * sf)[None, :, :], xl[:, None, :], acc)
+                acc = tl.fma((_decode(hi, j) * sf)[None, :, :], xh[:, None, :], acc)
+            p, s, wcol = p_next, s_next, wnext
+        y = tl.sum(acc, axis=2)  # [BM, BN]
+        _epilogue(y, y_ptr, rm[:, None] * stride_ym + rn[None, :], ws_ptr, rm[:, None] * N + rn[None, :], M * N,
+                  b_ptr, rn[None, :], mmask[:, None] & nmask[None, :], cnt_ptr,
+                  tl.program_id(0) * tl.num_programs(1) + pid_n, pid_s, nsplit, REDUCE, HAS_BIAS)
+
+    @triton.jit(do_not_specialize=["M", "nsplit"])
+    def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, nsplit, stride_ym, BLOCK: tl.constexpr,
+                              HAS_BIAS: tl.constexpr):
+        # grid: (cdiv(M·N, BLOCK),); y = Σ_s ws[s] (+ bias), ws float32 [SPLIT, M, N] contiguous.
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < M * N
+        tot = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(0, nsplit):
+            tot += tl.load(ws_ptr + s * M * N + i, mask=mask, other=0.0)
         if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+            tot += tl.load(b_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + (i // N) * stride_ym + i % N, tot.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, KW, stride_xm, stride_ym,
@@ -124,12 +232,40 @@ if triton is not None:
                  mask=mmask[None, :] & nmask[:, None])
 
 
-# (variant, BM, BN, BW, num_warps, num_stages) per batch size. The fastest configurations of the H200 sweep
-# (bench_kernels --sweep, 2026-11-29; docs/benchmarks.md) at the 27B's per-rank shapes; they also fit the
-# RTX 50's ~100 KB of shared memory per block (checked by compiling for sm_120).
+REDUCE = {"fixup": 3, "pass": 2, "atomic": 1}  # split-K reductions (see _epilogue), by name
+_COUNTERS: dict = {}  # device -> int32 [>= tiles] zeros: the "fixup" reduction's per-tile arrival counts
+
+
+# (variant, BM, BN, BW, num_warps, num_stages[, split, reduce]): the fastest checked configuration of the H200
+# run of bench_decode (2026-11-29; docs/benchmarks.md) at the 27B's per-rank TP=2 shapes, (M, N, K) -> config.
+# µs in the comments: that config / the one used before / bf16 cuBLAS. Where the best new candidate beat the
+# old path by less than 3 % (twice the run's repeat spread and more) the old path was kept.
+_MEASURED = {
+    (1, 17408, 5120): ("fma", 1, 32, 32, 2, 1, 8, "pass"),  # gate_up 21.2 / 24.1 / 44.8 (fixup: 21.6)
+    (1, 5120, 8704): ("fma", 1, 32, 32, 2, 1, 8, "fixup"),  # down 13.6 / 33.7 / 27.1
+    (1, 7168, 5120): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # qkv 12.5 / 18.7 / 22.9
+    (1, 5120, 3072): ("fma", 1, 64, 32, 4, 1, 4, "fixup"),  # o_proj, gdn_out 7.4 / 11.0 / 10.9
+    (1, 8192, 5120): ("fma", 1, 64, 32, 4, 1, 2, "fixup"),  # gdn_in 12.7 / 18.3 / 21.9
+    (2, 17408, 5120): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # 39.9 / 50.8 (dot) / 43.7
+    (2, 5120, 8704): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # 23.0 / 39.4 / 27.4
+    (2, 7168, 5120): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # 19.1 / 24.8 / 23.6
+    (2, 5120, 3072): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # 10.3 / 14.4 / 10.2
+    (2, 8192, 5120): ("fma", 1, 32, 32, 2, 1),  # 20.1 / 25.0 / 22.6 (split 4: 21.3)
+}
+
+
 def default_config(m: int, n: int, k: int) -> tuple:
-    if m == 1:
-        return ("fma", 1, 32, 32, 2, 1) if n > 8192 else ("fma", 1, 64, 32, 4, 1)
+    """The GEMV configuration for a batch of m rows of a [n, k] layer: the measured winner at the 27B's
+    shapes (_MEASURED), else by the same rules: split-K `fma` at M <= 2 (a slice of K per program, so the
+    N = 5120 layers launch enough programs), the tensor-core `dot` beyond (at M = 4 … 16 it still beat the
+    multi-row `rows` kernel and M programs of `fma`; with W8 kept at load, linear.py takes the int8 path
+    there instead)."""
+    if (m, n, k) in _MEASURED:
+        return _MEASURED[(m, n, k)]
+    if m <= 2:
+        if m == 1 and k <= 3072:
+            return ("fma", 1, 64, 32, 4, 1, 4, "fixup")
+        return ("fma", 1, 32, 32, 2, 1, 8 if m == 1 and k > 5120 else 4, "fixup")
     if m <= 8:
         return ("dot", 16, 16, 16, 1, 3)
     if m <= 16:
@@ -140,8 +276,22 @@ def default_config(m: int, n: int, k: int) -> tuple:
 
 
 def x_dtype(config: tuple) -> torch.dtype:
-    """dtype of x' a config reads: float32 for the FMA variant, bf16 for the tensor-core one."""
-    return torch.float32 if config[0] == "fma" else torch.bfloat16
+    """dtype of x' a config reads: float32 for the FMA variants, bf16 for the tensor-core one."""
+    return torch.bfloat16 if config[0] == "dot" else torch.float32
+
+
+def split_plan(kw: int, bw: int, split: int) -> tuple[int, int]:
+    """(steps of BW words per program, programs along K) for a K of kw words cut into `split` slices."""
+    steps = triton.cdiv(kw, bw)
+    iters = triton.cdiv(steps, split)
+    return iters, triton.cdiv(steps, iters)  # no empty slice: e.g. 17 steps in 8 -> 3 steps × 6 slices
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < tiles:
+        c = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+    return c
 
 
 def ternary_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
@@ -152,6 +302,10 @@ def ternary_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
     x is the rotated input xr (any float dtype; one extra small launch makes x'), or with `prepared=True`
     already x' = hadamard.gemv_order(xr, dtype=x_dtype(config)) [M, K] (the rotation kernel writes it on
     the decode path). Returns `out_dtype` (default: x's dtype, bf16 for prepared input).
+
+    Split-K configs ("fma"/"rows" with split > 1) keep float32 partials in a per-call workspace; the
+    "fixup" reduction also uses a per-device counter buffer that each launch leaves at zero, so two such
+    launches must not run concurrently on one device (one stream per rank in vLLM).
     """
     require()
     n, kw = packed.shape
@@ -172,14 +326,37 @@ def ternary_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
     if xp.stride(-1) != 1:
         xp = xp.contiguous()
     y = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out.view(m, n)
-    variant, bm, bn, bw, warps, stages = config
+    variant, bm, bn, bw, warps, stages = config[:6]
+    split, reduce = (config[6], config[7]) if len(config) > 6 else (1, "fixup")
     b = bias if bias is not None else scales
-    if variant == "fma":
-        _gemv_fma_kernel[(m, triton.cdiv(n, bn))](
-            xp, packed, scales, b, y, n, kw, xp.stride(0), y.stride(0),
-            BN=bn, BW=bw, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
-    else:
+    if variant == "dot":
         _gemv_dot_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             xp, packed, scales, b, y, m, n, kw, xp.stride(0), y.stride(0),
             BM=bm, BN=bn, BW=bw, HAS_BIAS=bias is not None, DT=dot_dtype(), num_warps=warps, num_stages=stages)
+        return y
+    iters, nsplit = split_plan(kw, bw, split)
+    mode = REDUCE[reduce] if nsplit > 1 else 0
+    mt = m if variant == "fma" else triton.cdiv(m, bm)  # programs along M
+    cnt = ws = y
+    if mode == 3:
+        cnt = _counters(y.device, mt * triton.cdiv(n, bn))
+    if mode == 1:
+        ws = torch.zeros(m, n, dtype=torch.float32, device=y.device)
+    elif mode:
+        ws = torch.empty(nsplit, m, n, dtype=torch.float32, device=y.device)
+    grid = (mt, triton.cdiv(n, bn), nsplit)
+    if variant == "fma":
+        _gemv_fma_kernel[grid](xp, packed, scales, b, y, ws, cnt, n, kw, iters, nsplit, xp.stride(0), y.stride(0),
+                               BN=bn, BW=bw, HAS_BIAS=bias is not None and mode in (0, 3), REDUCE=mode,
+                               num_warps=warps, num_stages=stages)
+    elif variant == "rows":
+        _gemv_rows_kernel[grid](xp, packed, scales, b, y, ws, cnt, m, n, kw, iters, nsplit, xp.stride(0),
+                                y.stride(0), BM=bm, BN=bn, BW=bw, HAS_BIAS=bias is not None and mode in (0, 3),
+                                REDUCE=mode, num_warps=warps, num_stages=stages)
+    else:
+        raise ValueError(f"ternary_gemv: unknown variant {variant!r} in config {config}")
+    if mode in (1, 2):
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, b, y, m, n, 1 if mode == 1 else nsplit, y.stride(0),
+                                                             BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
     return y

@@ -7,8 +7,9 @@
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
   `core.ternary` (the judge), so CPU serving keeps working;
-- M <= `GEMV_MAX_M` (16; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
-  reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches;
+- M <= `GEMV_MAX_M` (2; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
+  reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches (three
+  for gate_up at M = 1, whose split-K sums its partials in a second small launch);
 - larger M: rotation, per-token int8 quantization, then the int8 matmul against W8 (expanded at load when
   `prepare(..., expand_int8=True)`, else per call into a scratch buffer) (int8mm.py): the Triton GEMM
   with the rescale fused, or cuBLAS `_int_mm` + a rescale pass, whichever int8mm.default_config names.
@@ -27,10 +28,13 @@ GROUP_SIZE = 128
 BLOCK = 1024
 
 # Batch rows up to which the GEMV (codes read once, decoded in registers) runs instead of the int8 matmul;
-# from the H200 sweep in bench_kernels (docs/benchmarks.md). With W8 kept at load the int8 matmul won at 32
-# and 64 rows (int8 at 4-16 rows was not measured). Without W8 it has to expand W8 per call (as many bytes
-# written as the layer has weights), which only pays beyond 64 rows.
-GEMV_MAX_M = 16
+# from the H200 runs of bench_kernels and bench_decode (docs/benchmarks.md). With W8 kept at load the int8
+# matmul (BM = 16, quantization included) beat every GEMV variant at M = 4, 8, 16 on all six layers (e.g.
+# o_proj M = 4: 10.9 µs against 14.6) and costs the same at any M <= 16 (one padded row tile), while the
+# split-K GEMV at M = 2 was faster on the N = 5120 layers (o_proj 10.3); M = 3 was not measured and goes to
+# int8 by that flatness. Without W8 it has to expand W8 per call (as many bytes written as the layer has
+# weights), which only pays beyond 64 rows.
+GEMV_MAX_M = 2
 GEMV_MAX_M_NO_W8 = 64
 
 
