@@ -7,21 +7,22 @@ decode_ref. Without a GPU through Triton's interpreter (set before the kernels a
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-import pytest
+import interpreter_scope
 
 GPU = torch.cuda.is_available()
 KERNELS = [f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")]
+if not GPU:  # before Triton is first imported: it reads the switch then, not per kernel
+    interpreter_scope.enable()
+
+import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernels are optional, the reference is used")
 
 from bonsai_vllm.core.kv import reference as ref  # noqa: E402
 from bonsai_vllm.core.kv.format import K3V2  # noqa: E402
 from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes  # noqa: E402
-from interpreter_scope import restore  # noqa: E402
 
 DEV = "cuda" if GPU else "cpu"
 D = 64  # small head_dim keeps the interpreter quick; the page rules do not depend on it
@@ -38,10 +39,10 @@ def _interpreter_scope():
     if GPU:
         yield
         return
-    previous = os.environ.get("TRITON_INTERPRET")
-    restore("1", KERNELS)
+    interpreter_scope.restore(KERNELS)  # forget kernels another module imported (with or without it)
+    interpreter_scope.enable()
     yield
-    restore(previous, KERNELS)
+    interpreter_scope.restore(KERNELS)
 
 
 def _filled(use_kernels: bool, lens=(5, 300, 600), guard=1, seed=0):
