@@ -25,7 +25,10 @@ from bonsai_vllm.core.kv.format import K3V2  # noqa: E402
 from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes  # noqa: E402
 
 DEV = "cuda" if GPU else "cpu"
-D = 64  # small head_dim keeps the interpreter quick; the page rules do not depend on it
+# A small head_dim keeps the interpreter quick (the page rules do not depend on it); compiled, the decode
+# kernel's unpacked dots need head_dim >= 128 (Triton: every dot dimension >= 16), so the GPU runs the
+# real model's 256.
+D = 256 if GPU else 64
 FMT = K3V2.with_(head_dim=D)
 HQ, HKV = 24, 4
 BS = 256  # bf16 area: 256 / 32 = 8 slots = 4 sinks + a ring of 4
