@@ -27,6 +27,7 @@ from bonsai_vllm.core.kv import store as st  # noqa: E402
 from bonsai_vllm.core.kv.cache import LayerKVCache  # noqa: E402
 from bonsai_vllm.core.kv.format import K2V2, K3V2  # noqa: E402
 from bonsai_vllm.core.kv.rotation import KVRotation  # noqa: E402
+from kv_pages import shuffled_block_table  # noqa: E402
 
 DEV = "cuda" if GPU else "cpu"
 D = 256
@@ -47,17 +48,9 @@ def _interpreter_scope():
 def _pages(fmt, hkv, lens, bs, seed, extra_blocks=3):
     """A cache with len tokens per sequence (random rotated K/V, written by the reference) on shuffled pages."""
     g = torch.Generator().manual_seed(seed)
-    nbs = [-(-n // bs) for n in lens]
-    nb = sum(nbs) + extra_blocks
-    perm = torch.randperm(nb, generator=g)
+    nb, table, seq_slots = shuffled_block_table(lens, bs, extra_blocks, g)
     cache = ref.new_cache(fmt, nb, bs, hkv, DEV)
-    table = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
-    at = 0
-    for b, (n, m) in enumerate(zip(lens, nbs)):
-        table[b, :m] = perm[at:at + m].int()
-        at += m
-        t = torch.arange(n)
-        slots = table[b].long()[t // bs] * bs + t % bs
+    for n, slots in zip(lens, seq_slots):
         k = torch.randn(n, hkv, D, generator=g)
         v = torch.randn(n, hkv, D, generator=g) * 2
         ref.store_ref(cache, k.to(DEV), v.to(DEV), slots.to(DEV), fmt, bs)

@@ -23,6 +23,7 @@ pytest.importorskip("triton", reason="Triton is not installed: the kernels are o
 from bonsai_vllm.core.kv import reference as ref  # noqa: E402
 from bonsai_vllm.core.kv.format import K3V2  # noqa: E402
 from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes  # noqa: E402
+from kv_pages import shuffled_block_table  # noqa: E402
 
 DEV = "cuda" if GPU else "cpu"
 # A small head_dim keeps the interpreter quick (the page rules do not depend on it); compiled, the decode
@@ -52,17 +53,10 @@ def _filled(use_kernels: bool, lens=(5, 300, 600), guard=1, seed=0):
     g = PagedK3V2(FMT, BS, guard)
     g.validate()
     gen = torch.Generator().manual_seed(seed)
-    nbs = [-(-n // BS) for n in lens]
-    nb = sum(nbs) + 2
-    perm = torch.randperm(nb, generator=gen)
+    nb, table, seq_slots = shuffled_block_table(lens, BS, 2, gen)
     cache = torch.full((nb, HKV, g.page_bytes), 255, dtype=torch.uint8, device=DEV)
-    table = torch.zeros(len(lens), max(nbs), dtype=torch.int32)
-    at = 0
-    for b, (n, m) in enumerate(zip(lens, nbs)):
-        table[b, :m] = perm[at:at + m].int()
-        at += m
-        t = torch.arange(n)
-        slots = (table[b].long()[t // BS] * BS + t % BS).to(DEV)
+    for n, slots in zip(lens, seq_slots):
+        slots = slots.to(DEV)
         k = torch.randn(n, HKV, D, generator=gen).to(DEV)
         v = torch.randn(n, HKV, D, generator=gen).to(DEV)
         for a in range(0, n, 97):  # several chunks, one longer than the ring
