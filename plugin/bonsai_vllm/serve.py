@@ -33,7 +33,7 @@ KNOBS = [
     Knob("MEM", "0.72", "fraction of each GPU's memory vLLM may use (lower it if the display GPU is busy)"),
     Knob("SEQS", "24", "sequences decoded at once"),
     Knob("MAX_MODEL_LEN", "131072", "longest context in tokens"),
-    Knob("KV", "auto", "KV cache format: auto (bf16), fp8, or a TurboQuant/OSCAR format of the patched vLLM"),
+    Knob("KV", "auto", "KV cache format: auto (bf16), fp8, k3v2 (OSCAR 3-bit K / 2-bit V; docs/kv-cache.md) or a TurboQuant format"),
     Knob("MTP", "1", "MTP draft tokens per step (0 turns speculative decoding off)"),
     Knob("MAX_BATCHED_TOKENS", "2048", "tokens per engine step"),
     Knob("PREFIX_MATCH_UNIT", "16", "prefix-cache hash granularity in tokens (report 000: 28% → 99% hits)"),
