@@ -124,6 +124,18 @@ class Gateway:
             return []
         return [json.loads(line) for line in self.access_log.read_text().splitlines() if line.strip()]
 
+    def next_log_entry(self, seen: int, timeout: float = 5.0) -> dict:
+        """The first access-log line after the `seen` ones already there. nginx writes it in the log phase,
+        after the client has the whole response, so a test reading at once can find the file a line short."""
+        deadline = time.monotonic() + timeout
+        while True:
+            entries = self.log_entries()
+            if len(entries) > seen:
+                return entries[seen]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no access-log line after the first {seen}")
+            time.sleep(0.05)
+
     def log_entry(self, request_id: str, timeout: float = 5.0) -> dict:
         """The access-log line of one request (nginx writes it when the request ends)."""
         deadline = time.monotonic() + timeout

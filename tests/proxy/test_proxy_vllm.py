@@ -36,6 +36,7 @@ def client(gw: Gateway, name: str) -> openai.OpenAI:
 
 
 def test_streaming_chat_through_gateway(gateway_to_vllm):
+    seen = len(gateway_to_vllm.log_entries())
     stream = client(gateway_to_vllm, "ui").chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Count: 1 2 3"}], max_tokens=12,
         temperature=0.0, stream=True, stream_options={"include_usage": True},
@@ -44,16 +45,17 @@ def test_streaming_chat_through_gateway(gateway_to_vllm):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
     assert chunks[-1].usage.completion_tokens == 12
-    entry = gateway_to_vllm.log_entries()[-1]
+    entry = gateway_to_vllm.next_log_entry(seen)
     assert entry["source"] == "openwebui" and entry["priority"] == 0 and entry["status"] == 200, entry
 
 
 def test_client_priority_cannot_beat_its_source(gateway_to_vllm):
     # The benchmark key asks for priority 0; the gateway sends vLLM its source's 10 instead.
+    seen = len(gateway_to_vllm.log_entries())
     out = client(gateway_to_vllm, "bench").completions.create(
         model="tiny", prompt="Counting up: 1 2 3", max_tokens=4, extra_body={"priority": 0})
     assert out.usage.completion_tokens == 4
-    entry = gateway_to_vllm.log_entries()[-1]
+    entry = gateway_to_vllm.next_log_entry(seen)
     assert entry["source"] == "benchmarks" and entry["priority"] == 10, entry
 
 
