@@ -34,3 +34,22 @@ def restore(modules: list[str]) -> None:
         parent, _, attr = name.rpartition(".")
         if parent in sys.modules:
             sys.modules[parent].__dict__.pop(attr, None)
+
+
+def module_fixture(modules: list[str]):
+    """The autouse module fixture of a kernel test module on CPU: interpreter on while its tests run (another
+    module's teardown may have reset it), then the session's value back and `modules` forgotten. On a GPU
+    it does nothing. Assign it to a module-level name: `_interpreter = interpreter_scope.module_fixture([...])`."""
+    import pytest
+    import torch
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _interpreter_scope():
+        cpu = not torch.cuda.is_available()
+        if cpu:
+            enable()
+        yield
+        if cpu:
+            restore(modules)
+
+    return _interpreter_scope

@@ -44,15 +44,8 @@ DOT_TOL = 5e-3 if GPU else 8e-3  # the GEMV's tensor-core path: bf16 x', weight 
 _JIT_MODULES = ("hadamard", "gemv", "int8mm", "allreduce")  # the modules that hold @triton.jit functions
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_scope():
-    """Keep TRITON_INTERPRET from leaking into later tests and the vLLM servers they start."""
-    if not GPU:
-        interpreter_scope.enable()  # another kernel module's teardown may have reset it
-    yield
-    if not GPU:
-        # decorated as interpreted functions: let a later import redo them
-        interpreter_scope.restore([f"bonsai_vllm.core.kernels.{name}" for name in _JIT_MODULES])
+# decorated as interpreted functions: a later import must redo them
+_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.core.kernels.{name}" for name in _JIT_MODULES])
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -35,14 +35,7 @@ SM = D ** -0.5
 TOL = 2e-3  # decode: fp16 rounding of the scaled query (measured ~4e-4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_scope():
-    """Keep TRITON_INTERPRET from leaking into later tests; let later imports decorate the kernels anew."""
-    if not GPU:
-        interpreter_scope.enable()  # another kernel module's teardown may have reset it
-    yield
-    if not GPU:
-        interpreter_scope.restore([f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")])
+_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")])
 
 
 def _pages(fmt, hkv, lens, bs, seed, extra_blocks=3):
