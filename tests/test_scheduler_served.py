@@ -39,6 +39,7 @@ class Stream(threading.Thread):
         self.text = ""
         self.usage = None
         self.error: Exception | None = None
+        self.stop = threading.Event()  # set it to end the stream early (the server aborts the request)
 
     def run(self):
         self.start_time = time.monotonic()
@@ -48,6 +49,9 @@ class Stream(threading.Thread):
                 stream_options={"include_usage": True},
                 extra_body={"priority": self.priority, "ignore_eos": True, "return_token_ids": True})
             for chunk in stream:
+                if self.stop.is_set():
+                    stream.close()
+                    break
                 if chunk.usage:
                     self.usage = chunk.usage
                 for choice in chunk.choices:
@@ -130,16 +134,20 @@ def test_equal_priority_does_not_preempt(preempting):
 def test_prefill_budget_holds(preempting):
     srv, trace = preempting
     before = len(trace_lines(trace))
-    # The agent must still be decoding through the whole ~6-step prefill of the long prompt: 200 tokens
-    # leave a wide margin on a fast machine (60 did not always, CI 2026-11-29).
-    agent = Stream(srv.url, 10, 200)
+    # The agent must still be decoding through the whole ~6-step prefill of the long prompt. A fixed
+    # output length raced the machine's speed (60 and then 200 tokens both ran out first on CI,
+    # 2026-11-29), so the agent asks for far more than it needs and is stopped once the document is done.
+    agent = Stream(srv.url, 10, 1800)
     agent.start()
     agent.wait_tokens(2)
     # A ~1500-token prompt arrives while the agent decodes: it must be fed in ≤256-token steps.
     long_doc = Stream(srv.url, 5, 4, prompt=" ".join(["The green fox sleeps under the white tree."] * 150))
     long_doc.start()
+    long_doc.join(timeout=600)
+    assert agent.is_alive(), f"the agent finished ({agent.tokens} tokens) before the long document did"
+    agent.stop.set()
+    agent.join(timeout=600)
     for t in (agent, long_doc):
-        t.join(timeout=600)
         assert t.error is None, t.error
     steps = trace_lines(trace)[before:]
     busy = [s for s in steps if s["decoding"] > 0]
