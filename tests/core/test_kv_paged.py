@@ -113,3 +113,41 @@ def test_decode_row_equals_prefill_row_rule():
     kv = g._bf16_at(bf, table[b][None, :].expand(ql, -1), pos, pos < g.sink).float()  # own tokens, as stored
     pre = g.prefill_row(q[0], kv[:, :, 0], kv[:, :, 1], cache, table[b], n, D ** -0.5)
     assert ref.rel_err(dec[0], pre) < 1e-5
+
+
+def _prefill_rule_float64(g: PagedK3V2, q, k_own, v_own, cache, table_row, n: int):
+    """The rule written out in one piece, float64: context exact where exact_mask says, dequantized
+    elsewhere; own tokens bf16-rounded; causal."""
+    ql = q.shape[0]
+    n_ctx = n - ql
+    qpages, bf = g.views(cache)
+    kd, vd = ref.decode_slots(ref.gather_ref(qpages, table_row, n_ctx, FMT, BS), FMT)
+    pos = torch.arange(n_ctx, device=DEV)
+    kv = g._bf16_at(bf, table_row[None, :].expand(n_ctx, -1), pos, pos < g.sink).double()
+    ex = g.exact_mask(n, ql)[:n_ctx].to(DEV)[:, None, None]
+    keys = torch.cat([torch.where(ex, kv[:, :, 0], kd.double()), k_own.to(torch.bfloat16).double()])
+    vals = torch.cat([torch.where(ex, kv[:, :, 1], vd.double()), v_own.to(torch.bfloat16).double()])
+    qq = q.double().reshape(ql, HKV, HQ // HKV, D) * D ** -0.5
+    s = torch.einsum("qhgd,nhd->qhgn", qq, keys)
+    vis = torch.arange(n, device=DEV)[None, :] <= (n_ctx + torch.arange(ql, device=DEV))[:, None]
+    s = s.masked_fill(~vis[:, None, None, :], float("-inf"))
+    return torch.einsum("qhgn,nhd->qhgd", torch.softmax(s, -1), vals).reshape(ql, HQ, D)
+
+
+def test_prefill_row_in_chunks_is_one_softmax():
+    # The prefill path folds key chunks into a running softmax so that memory stays bounded at 130k
+    # tokens; the result must not depend on the chunking, and equals the rule computed in one piece.
+    g, cache, table, lens = _filled(use_kernels=False)
+    gen = torch.Generator().manual_seed(5)
+    b, ql = 2, 37
+    n = int(lens[b])
+    q = torch.randn(ql, HQ, D, generator=gen).to(DEV)
+    k_own = torch.randn(ql, HKV, D, generator=gen).to(DEV)
+    v_own = torch.randn(ql, HKV, D, generator=gen).to(DEV)
+    want = _prefill_rule_float64(g, q, k_own, v_own, cache, table[b], n)
+    whole = g.prefill_row(q, k_own, v_own, cache, table[b], n, D ** -0.5, max_scores=1 << 40)
+    chunked = g.prefill_row(q, k_own, v_own, cache, table[b], n, D ** -0.5, max_scores=1)  # 16-token chunks
+    assert ref.rel_err(whole, want) < 1e-5
+    assert ref.rel_err(chunked, want) < 1e-5
+    # a chunk straddles the context and the row's own tokens (n = 600, chunks of 16)
+    assert (n - ql) % 16 != 0

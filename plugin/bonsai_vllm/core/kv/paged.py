@@ -43,6 +43,10 @@ from bonsai_vllm.core.kv import reference as ref
 from bonsai_vllm.core.kv.format import KVFormat
 
 BF16_SHARE = 32  # one bf16 K+V token slot (4·D bytes) per this many tokens of page
+# Prefill attention takes the keys in chunks: at most this many float32 scores at once (64 MiB), and
+# chunks of at least this many tokens.
+PREFILL_MAX_SCORES = 1 << 24
+PREFILL_MIN_CHUNK = 16
 
 
 def content_bytes(fmt: KVFormat) -> int:
@@ -193,32 +197,64 @@ class PagedK3V2:
         return ref.decode_ref(*args, q_start=self.sink)
 
     def prefill_row(self, q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, cache: torch.Tensor,
-                    block_table_row: torch.Tensor, seq_len: int, sm_scale: float) -> torch.Tensor:
+                    block_table_row: torch.Tensor, seq_len: int, sm_scale: float,
+                    max_scores: int = PREFILL_MAX_SCORES) -> torch.Tensor:
         """One row of QL query tokens, the newest of seq_len (q_rot [QL, Hq, D]; its own rotated k, v
         [QL, Hkv, D], already written): the context [0, seq_len - QL) read back from the pages (exact
         where exact_mask says, dequantized elsewhere), its own tokens exact (bf16-rounded as the ring
-        keeps them), causal attention in float64 -> rotated output [QL, Hq, D] float32."""
+        keeps them), causal attention -> rotated output [QL, Hq, D] float32.
+
+        Memory stays bounded at any context length: the keys are taken in chunks of C tokens with
+        QL·Hq·C <= max_scores (C >= PREFILL_MIN_CHUNK), each chunk dequantized on its own and folded into
+        a running softmax (max, sum, accumulator in float32). Reading 130k tokens of context at once
+        would need 1 GB of keys and values and QL·Hq·130k scores per layer, more than a 12 GB card has."""
         ql, hq, d = q_rot.shape
         hkv = k_rot.shape[1]
+        g = hq // hkv
         n_ctx = seq_len - ql
         dev = q_rot.device
-        keys = torch.empty(seq_len, hkv, d, dtype=torch.float64, device=dev)
-        vals = torch.empty_like(keys)
-        keys[n_ctx:] = k_rot.to(torch.bfloat16).double()
-        vals[n_ctx:] = v_rot.to(torch.bfloat16).double()
-        if n_ctx:
-            exact = self.exact_mask(seq_len, ql)[:n_ctx].to(dev)
-            qpages, bf = self.views(cache)
-            kd, vd = ref.decode_slots(ref.gather_ref(qpages, block_table_row, n_ctx, self.fmt, self.block_size),
-                                      self.fmt)
-            pos = torch.arange(n_ctx, device=dev)
-            kv = self._bf16_at(bf, block_table_row[None, :].expand(n_ctx, -1), pos, pos < self.sink)
-            keys[:n_ctx] = torch.where(exact[:, None, None], kv[:, :, 0].double(), kd.double())
-            vals[:n_ctx] = torch.where(exact[:, None, None], kv[:, :, 1].double(), vd.double())
-        g = hq // hkv
-        q = (q_rot.double() * sm_scale).reshape(ql, hkv, g, d)
-        s = torch.einsum("qhgd,nhd->qhgn", q, keys)
-        vis = torch.arange(seq_len, device=dev)[None, :] <= (n_ctx + torch.arange(ql, device=dev))[:, None]
-        s = s.masked_fill(~vis[:, None, None, :], -math.inf)
-        o = torch.einsum("qhgn,nhd->qhgd", torch.softmax(s, -1), vals)
-        return o.reshape(ql, hq, d).float()
+        own_k = k_rot.to(torch.bfloat16).float()
+        own_v = v_rot.to(torch.bfloat16).float()
+        exact = self.exact_mask(seq_len, ql).to(dev)
+        qpages, bf = self.views(cache)
+        q = (q_rot.float() * sm_scale).reshape(ql, hkv, g, d)
+        q_pos = n_ctx + torch.arange(ql, device=dev)  # [QL]
+        m = torch.full((ql, hkv, g), -math.inf, device=dev)
+        denom = torch.zeros(ql, hkv, g, device=dev)
+        acc = torch.zeros(ql, hkv, g, d, device=dev)
+        chunk = max(PREFILL_MIN_CHUNK, max_scores // max(1, ql * hq))
+        for a in range(0, seq_len, chunk):
+            b = min(seq_len, a + chunk)
+            keys, vals = self._keys_values(qpages, bf, block_table_row, a, b, n_ctx, exact, own_k, own_v)
+            s = torch.einsum("qhgd,nhd->qhgn", q, keys)  # [QL, Hkv, G, C]
+            vis = torch.arange(a, b, device=dev)[None, :] <= q_pos[:, None]  # causal [QL, C]
+            s = s.masked_fill(~vis[:, None, None, :], -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            # rows that have seen no key yet keep m = -inf; exp(-inf - -inf) would be NaN
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            p = torch.exp(s - safe[..., None])
+            corr = torch.exp(m - safe)
+            denom = denom * corr + p.sum(-1)
+            acc = acc * corr[..., None] + torch.einsum("qhgn,nhd->qhgd", p, vals)
+            m = m_new
+        return (acc / denom[..., None]).reshape(ql, hq, d)
+
+    def _keys_values(self, qpages: torch.Tensor, bf: torch.Tensor, block_table_row: torch.Tensor, a: int, b: int,
+                     n_ctx: int, exact: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor):
+        """Keys and values of positions [a, b) as prefill attention sees them: float32 [b - a, Hkv, D]."""
+        parts_k, parts_v = [], []
+        c = min(b, n_ctx)
+        if a < c:  # context: dequantized, or the bf16 copy where the rule says exact
+            kd, vd = ref.decode_slots(ref.gather_ref(qpages, block_table_row, c, self.fmt, self.block_size,
+                                                     start=a), self.fmt)
+            pos = torch.arange(a, c, device=qpages.device)
+            kv = self._bf16_at(bf, block_table_row[None, :].expand(c - a, -1), pos, pos < self.sink)
+            ex = exact[a:c, None, None]
+            parts_k.append(torch.where(ex, kv[:, :, 0].float(), kd))
+            parts_v.append(torch.where(ex, kv[:, :, 1].float(), vd))
+        if b > n_ctx:  # the row's own tokens
+            parts_k.append(own_k[max(a, n_ctx) - n_ctx:b - n_ctx])
+            parts_v.append(own_v[max(a, n_ctx) - n_ctx:b - n_ctx])
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return torch.cat(parts_k), torch.cat(parts_v)

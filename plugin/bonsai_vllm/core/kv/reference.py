@@ -142,10 +142,10 @@ def store_ref(cache: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, slo
 
 
 def gather_ref(cache: torch.Tensor, block_table: torch.Tensor, n: int, fmt: KVFormat,
-               block_size: int) -> dict[str, torch.Tensor]:
-    """The first n slots of one sequence (block_table [max_blocks]) as sections [n, Hkv, bytes]."""
+               block_size: int, start: int = 0) -> dict[str, torch.Tensor]:
+    """Slots [start, n) of one sequence (block_table [max_blocks]) as sections [n - start, Hkv, bytes]."""
     views = _section_views(cache, fmt, block_size)
-    t = torch.arange(n, device=cache.device)
+    t = torch.arange(start, n, device=cache.device)
     blk = block_table.long()[t // block_size]
     off = t % block_size
     return {name: v[blk, :, off] for name, v in views.items()}
