@@ -151,3 +151,27 @@ def test_prefill_row_in_chunks_is_one_softmax():
     assert ref.rel_err(chunked, want) < 1e-5
     # a chunk straddles the context and the row's own tokens (n = 600, chunks of 16)
     assert (n - ql) % 16 != 0
+
+
+@pytest.mark.parametrize("seq, ql", [(2, 37), (2, 3), (1, 16), (0, 5), (0, 4)],
+                         ids=["long-context", "within-window", "even-sub-rows", "first-chunk", "context-shorter-than-sinks"])
+def test_prefill_row_kernel_matches_torch_path(seq, ql):
+    # The prefill row through the grouped decode kernel (sub-rows of 16 // group queries sharing one bf16
+    # window) against the torch path, for rows longer than the window (own tokens exact, from the
+    # arguments) and within it (exact tail from the ring), with and without context before the sinks.
+    g, cache, table, lens = _filled(use_kernels=False)
+    gen = torch.Generator().manual_seed(6)
+    n = int(lens[seq])
+    q = torch.randn(ql, HQ, D, generator=gen).to(DEV)
+    if ql <= g.window:  # the row's tokens are in the ring (the backend writes them before attention)
+        _, bf = g.views(cache)
+        pos = torch.arange(n - ql, n, device=DEV)
+        kv = g._bf16_at(bf, table[seq][None, :].expand(ql, -1), pos, pos < g.sink).float()
+        k_own, v_own = kv[:, :, 0], kv[:, :, 1]
+    else:
+        k_own = torch.randn(ql, HKV, D, generator=gen).to(DEV)
+        v_own = torch.randn(ql, HKV, D, generator=gen).to(DEV)
+    want = g.prefill_row(q, k_own, v_own, cache, table[seq], n, D ** -0.5)
+    out = g.prefill_row(q, k_own, v_own, cache, table[seq], n, D ** -0.5, use_kernels=True)
+    err = ref.rel_err(out, want)
+    assert err < TOL, err

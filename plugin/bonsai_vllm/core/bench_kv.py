@@ -18,6 +18,10 @@ One run:
    (compressed bytes / copy bandwidth), as CUDA-graph replays over enough cache copies that the
    timed reads do not come from L2;
 5. prints one table and writes bench-kv.md / bench-kv.json to --out (default $OUT or .).
+
+`--prefill` instead checks and times prefill rows (`PagedK3V2.prefill_row`, one TP=2 rank's 12 / 2 heads,
+the 27B's block of 2080): the decode-kernel route against the chunked torch route at D = 256, then both
+routes' time and peak extra memory beside bf16 SDPA (flash, no mask) over the same shapes.
 """
 
 from __future__ import annotations
@@ -345,6 +349,73 @@ PER_HEAD_SWEEP = [dict(unpack=2, block_n=128, warps=4, stages=None, ilp=0, targe
                   dict(unpack=2, block_n=64, warps=2, stages=None, ilp=1, target=1056)]
 
 
+PREFILL_CASES = [(8192, 512), (32768, 512), (130560, 512), (129024, 2048), (4000, 37), (40000, 20)]  # (ctx, QL)
+
+
+def bench_prefill(dev: str) -> str:
+    """Prefill rows of one layer at one rank's shape: check the kernel route, time both routes."""
+    from bonsai_vllm.core.kv.paged import PagedK3V2
+
+    g = PagedK3V2(K3V2, 2080, guard=4)
+    hq, hkv = SHAPES["rank"]
+    lines = ["| context | QL | kernel vs torch rel. err | torch route ms | peak MiB | kernel route ms | peak MiB "
+             "| bf16 SDPA ms |", "|---|---|---|---|---|---|---|---|"]
+    gen = torch.Generator(device=dev).manual_seed(11)
+    for ctx, ql in PREFILL_CASES:
+        n = ctx + ql
+        nb = -(-n // g.block_size)
+        cache = torch.zeros(nb, hkv, g.page_bytes, dtype=torch.uint8, device=dev)
+        table = torch.randperm(nb, device=dev).int()
+        pos = torch.arange(n, device=dev)
+        slots = table.long()[pos // g.block_size] * g.block_size + pos % g.block_size
+        for a in range(0, n, 8192):
+            k = torch.randn(min(8192, n - a), hkv, D, generator=gen, device=dev)
+            g.write(cache, k, torch.randn(k.shape, generator=gen, device=dev), slots[a:a + 8192], use_kernels=True)
+        q = torch.randn(ql, hq, D, generator=gen, device=dev)
+        if ql <= g.window:  # the row's own tokens as the ring holds them
+            _, bf = g.views(cache)
+            own = pos[n - ql:]
+            kv = g._bf16_at(bf, table[None, :].expand(ql, -1), own, own < g.sink).float()
+            k_own, v_own = kv[:, :, 0], kv[:, :, 1]
+        else:
+            k_own = torch.randn(ql, hkv, D, generator=gen, device=dev)
+            v_own = torch.randn(ql, hkv, D, generator=gen, device=dev)
+
+        def run(kern: bool):
+            return g.prefill_row(q, k_own, v_own, cache, table, n, SM_SCALE, use_kernels=kern)
+
+        err = ref.rel_err(run(True), run(False))
+        check(f"prefill kernel route ctx {ctx} QL {ql}", err < 2e-3, f"rel err {err:.2e} vs torch route")
+        res = []
+        for kern in (False, True):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            run(kern)
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            t = time.perf_counter()
+            for _ in range(3):
+                run(kern)
+            torch.cuda.synchronize()
+            res.append(((time.perf_counter() - t) / 3 * 1e3, peak))
+        kk = torch.randn(1, hq, n, D, generator=gen, device=dev).bfloat16()
+        qq = torch.randn(1, hq, ql, D, generator=gen, device=dev).bfloat16()
+        F.scaled_dot_product_attention(qq, kk, kk)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(10):
+            F.scaled_dot_product_attention(qq, kk, kk)
+        torch.cuda.synchronize()
+        sdpa = (time.perf_counter() - t) / 10 * 1e3
+        lines.append(f"| {ctx} | {ql} | {err:.1e} | {res[0][0]:.2f} | {res[0][1]:.0f} | {res[1][0]:.2f} | "
+                     f"{res[1][1]:.0f} | {sdpa:.2f} |")
+        say(lines[-1])
+        del cache, kk, qq
+        torch.cuda.empty_cache()
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -354,12 +425,17 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", metavar="JSON",
                     help="only run one 80k full-shape decode twice with this config (a bench-kv.json, whose "
                          "'best' is used, or a config dict), for `ncu -k regex:_decode_kernel --launch-skip 1`")
+    ap.add_argument("--prefill", action="store_true", help="check and time prefill rows only (see above)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kv needs a CUDA GPU (the CPU tests cover the kernels through Triton's interpreter)")
         return 2
     dev = "cuda"
     import triton
+
+    if args.prefill:
+        say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+        return _finish(args, {"prefill": True}, bench_prefill(dev))
 
     if args.profile:
         from bonsai_vllm.core.kv.decode import auto_splits, decode

@@ -198,7 +198,7 @@ class PagedK3V2:
 
     def prefill_row(self, q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, cache: torch.Tensor,
                     block_table_row: torch.Tensor, seq_len: int, sm_scale: float,
-                    max_scores: int = PREFILL_MAX_SCORES) -> torch.Tensor:
+                    max_scores: int = PREFILL_MAX_SCORES, use_kernels: bool = False) -> torch.Tensor:
         """One row of QL query tokens, the newest of seq_len (q_rot [QL, Hq, D]; its own rotated k, v
         [QL, Hkv, D], already written): the context [0, seq_len - QL) read back from the pages (exact
         where exact_mask says, dequantized elsewhere), its own tokens exact (bf16-rounded as the ring
@@ -207,7 +207,11 @@ class PagedK3V2:
         Memory stays bounded at any context length: the keys are taken in chunks of C tokens with
         QL·Hq·C <= max_scores (C >= PREFILL_MIN_CHUNK), each chunk dequantized on its own and folded into
         a running softmax (max, sum, accumulator in float32). Reading 130k tokens of context at once
-        would need 1 GB of keys and values and QL·Hq·130k scores per layer, more than a 12 GB card has."""
+        would need 1 GB of keys and values and QL·Hq·130k scores per layer, more than a 12 GB card has.
+
+        use_kernels: the grouped decode kernel instead (`_prefill_row_kernel`), same rule."""
+        if use_kernels:
+            return self._prefill_row_kernel(q_rot, k_rot, v_rot, cache, block_table_row, seq_len, sm_scale)
         ql, hq, d = q_rot.shape
         hkv = k_rot.shape[1]
         g = hq // hkv
@@ -238,6 +242,54 @@ class PagedK3V2:
             acc = acc * corr[..., None] + torch.einsum("qhgn,nhd->qhgd", p, vals)
             m = m_new
         return (acc / denom[..., None]).reshape(ql, hq, d)
+
+    def _prefill_row_kernel(self, q_rot: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor,
+                            cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,
+                            sm_scale: float) -> torch.Tensor:
+        """prefill_row through the grouped decode kernel: the row's QL queries are cut into sub-rows of r
+        (r·group <= 16, the kernel's tensor-core tile), all reading the same pages and one shared bf16
+        window (the sinks, then the exact tail: the row's own tokens, or for QL <= window the ring's
+        newest tokens), each sub-row seeing the window up to its own last query. No float copy of the
+        context is made: the pages are read as the decode kernel reads them, from L2 after the first
+        sub-row (the 27B's 130k-token context is 44 MB per layer and rank)."""
+        from bonsai_vllm.core.kv.decode import auto_splits, decode
+
+        ql, hq, d = q_rot.shape
+        hkv = k_rot.shape[1]
+        group = hq // hkv
+        n_ctx = seq_len - ql
+        dev = q_rot.device
+        if ql <= self.window:  # the exact tail reaches into the context: the ring holds it (and the row)
+            win_k, win_v, n_win_t, n_quant_t = self.window_buffers(
+                cache, block_table_row[None, :], torch.tensor([seq_len], device=dev))
+            n_win, n_quant = int(n_win_t[0]), int(n_quant_t[0])
+        else:  # exact tail = the row's own tokens; before them the sinks that are context
+            _, bf = self.views(cache)
+            s_b = min(self.sink, n_ctx)
+            pos = torch.arange(s_b, device=dev)
+            sinks = self._bf16_at(bf, block_table_row[None, :].expand(s_b, -1), pos, pos < self.sink)
+            own = torch.stack([k_rot, v_rot], dim=2).to(torch.bfloat16)  # [QL, Hkv, 2, D]
+            kv = torch.cat([sinks, own]).permute(2, 1, 0, 3)  # [2, Hkv, s_b + QL, D]
+            win_k, win_v = kv[0][None].contiguous(), kv[1][None].contiguous()
+            n_win, n_quant = s_b + ql, n_ctx
+        r = max(1, 16 // group)
+        out = torch.empty(ql, hq, d, dtype=torch.float32, device=dev)
+        full = ql - ql % r
+        for a, rows, sub in ((0, full // r, r), (full, 1, ql - full)):  # sub-rows of r, then the remainder
+            if rows == 0 or sub == 0:
+                continue
+            b = a + rows * sub
+            q = q_rot[a:b].reshape(rows, sub, hq, d)
+            # sub-row i holds queries [a + i·sub, a + (i+1)·sub): it sees the window up to its last query
+            ends = a + sub * torch.arange(1, rows + 1, device=dev, dtype=torch.int32)
+            nw = (n_win - ql + ends).to(torch.int32)
+            nq = torch.full((rows,), n_quant, dtype=torch.int32, device=dev)
+            splits = auto_splits(n_quant, rows, hkv)
+            o = decode(q, self.views(cache)[0], block_table_row[None, :].expand(rows, -1), nq,
+                       win_k.expand(rows, -1, -1, -1), win_v.expand(rows, -1, -1, -1), nw, self.fmt,
+                       self.block_size, sm_scale, q_start=self.sink, num_splits=splits)
+            out[a:b] = o.reshape(b - a, hq, d)
+        return out
 
     def _keys_values(self, qpages: torch.Tensor, bf: torch.Tensor, block_table_row: torch.Tensor, a: int, b: int,
                      n_ctx: int, exact: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor):
