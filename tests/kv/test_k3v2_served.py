@@ -9,6 +9,11 @@ K3V2 pages, most of them quantized (the tiny model's hybrid-aligned block on vLL
   tolerance derived from the K3V2 error measured here (docs/kv-cache.md);
 - greedy tokens identical wherever the default-KV run is decisive (margin above twice the largest
   logprob difference), over a prompt whose context is mostly quantized;
+- calibrated rotations (OSCAR style): the K3V2 server records its layers' q/k/v (BONSAI_KV_CAPTURE), the
+  samples are fitted into a rotation file with `bonsai-kv-calibrate`, and a server started with that file
+  (BONSAI_KV_ROTATION) stays within the same tolerance of the default KV cache while its logprobs differ
+  from the data-free rotation's (the file is really used), and the same at TP=2 (each rank takes its KV
+  head's rotation from the one file); a missing file stops start-up with its name;
 - with the tiny model's MTP head (random: most drafts are rejected, which exercises the ring guard):
   speculative decoding on and off give the same greedy tokens under K3V2 — verify rows are decode rows,
   and the window does not depend on the number of speculative tokens.
@@ -18,11 +23,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import requests
 
-from bonsai_vllm.devserver import VllmServer
+from bonsai_vllm.devserver import ServerFailed, VllmServer
 from compare import TEXTS, greedy_tokens, prompt_logprobs
 
 vllm = pytest.importorskip("vllm")
@@ -33,6 +40,8 @@ if not hasattr(KVQuantMode, "K3V2"):
 
 COMMON = ["--max-num-batched-tokens", "64"]
 K3V2 = ["--kv-cache-dtype", "k3v2"]
+TP2 = ["--tensor-parallel-size", "2"]
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank: vLLM-CPU's TP needs an explicit bind
 # Measured here (2026-11-29, 450 tokens): K3V2 vs default KV mean |Δlogprob| 0.019, max 0.32. The bounds
 # are about 5x that; a wrong rotation, layer mix-up or stale-slot read moves the logprobs by whole nats
 # (DESIGN §3: a TP bug gave 3.2 mean on this model family).
@@ -58,12 +67,28 @@ def _measure(srv: VllmServer) -> dict:
             "prompt_tokens": usage["prompt_tokens"], "log": srv.log_path.read_text(errors="replace")}
 
 
+CAPTURE_TOKENS = 300  # the greedy prompt (~220 tokens) and its decode steps fill it before LONG_TEXT is sent
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_model) -> dict:
-    out = {}
-    for name, args in (("auto", COMMON), ("k3v2", COMMON + K3V2)):
-        with VllmServer(tiny_model, args) as srv:
+def runs(tiny_model, tmp_path_factory) -> dict:
+    work = tmp_path_factory.mktemp("k3v2-calibration")
+    capture = work / "capture"
+    out = {"capture": capture, "rotation": work / "rotation.safetensors"}
+    capture_env = {"BONSAI_KV_CAPTURE": str(capture), "BONSAI_KV_CAPTURE_TOKENS": str(CAPTURE_TOKENS)}
+    for name, args, env in (("auto", COMMON, None), ("k3v2", COMMON + K3V2, capture_env)):
+        with VllmServer(tiny_model, args, env=env) as srv:
             out[name] = _measure(srv)
+    cli = subprocess.run([sys.executable, "-m", "bonsai_vllm.core.kv.calibration", str(capture),
+                          str(out["rotation"])], capture_output=True, text=True, timeout=300)
+    out["calibrate"] = cli
+    if cli.returncode == 0:
+        rotation = {"BONSAI_KV_ROTATION": str(out["rotation"])}
+        with VllmServer(tiny_model, COMMON + K3V2, env=rotation) as srv:
+            out["k3v2-cal"] = _measure(srv)
+        # TP=2: each rank holds one of the tiny model's two KV heads and takes that head's rotation
+        with VllmServer(tiny_model, COMMON + K3V2 + TP2, env={**rotation, **TP2_ENV}) as srv:
+            out["k3v2-cal-tp2"] = _measure(srv)
     return out
 
 
@@ -96,6 +121,49 @@ def test_greedy_identical_where_decisive(runs):
           f"identical prefix {first_open}")
     assert first_open >= 8, a["margins"]
     assert k["ids"][:first_open] == a["ids"][:first_open]
+
+
+def test_calibrated_rotation_recorded_fitted_and_served(runs, tiny_model):
+    cli = runs["calibrate"]
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    print("\n" + cli.stdout)
+    layer_types = json.loads((tiny_model / "config.json").read_text())["layer_types"]
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    assert sorted(p.name for p in runs["capture"].iterdir()) == sorted(f"layer{i}.rank0.safetensors" for i in full)
+    cal = runs["k3v2-cal"]
+    assert "calibrated KV rotations from" in cal["log"], cal["log"][-3000:]
+    d = _diffs(cal["long"], runs["auto"]["long"])
+    mean, mx = sum(d) / len(d), max(d)
+    print(f"K3V2 calibrated vs default KV, teacher-forced over {len(d)} tokens: mean |Δlogprob| {mean:.4f}, "
+          f"max {mx:.4f}")
+    assert mean < MEAN_TOL and mx < MAX_TOL, (mean, mx)
+    # the file changed what was quantized: not the data-free rotation's numbers
+    assert max(_diffs(cal["long"], runs["k3v2"]["long"])) > 1e-4
+
+
+def test_k3v2_at_tp2_with_the_calibrated_file(runs):
+    tp2, tp1 = runs["k3v2-cal-tp2"], runs["k3v2-cal"]
+    assert "Using BONSAI_K3V2 backend" in tp2["log"] and "calibrated KV rotations from" in tp2["log"]
+    d = _diffs(tp2["long"], runs["auto"]["long"])
+    mean, mx = sum(d) / len(d), max(d)
+    d1 = _diffs(tp2["long"], tp1["long"])
+    print(f"\nK3V2 calibrated TP=2 vs default KV TP=1: mean |Δlogprob| {mean:.4f}, max {mx:.4f}; "
+          f"vs K3V2 calibrated TP=1: mean {sum(d1) / len(d1):.4f}, max {max(d1):.4f}")
+    assert mean < MEAN_TOL and mx < MAX_TOL, (mean, mx)
+    assert tp2["ids"][:8] == runs["auto"]["ids"][:8]
+
+
+def test_missing_rotation_file_stops_start_up(tiny_model, tmp_path):
+    missing = tmp_path / "no-such-rotation.safetensors"
+    srv = VllmServer(tiny_model, COMMON + K3V2, env={"BONSAI_KV_ROTATION": str(missing)})
+    try:
+        with pytest.raises(ServerFailed, match="during start-up"):
+            srv.start()
+    finally:
+        srv.stop()
+    # the worker's error names the variable, the file and the way out (the tail shows only vLLM's wrapping)
+    log = srv.log_path.read_text(errors="replace")
+    assert f"BONSAI_KV_ROTATION={missing}: no such file" in log and "bonsai-kv-calibrate" in log, log[-3000:]
 
 
 # ------------------------------------------------------------------------------------------------- MTP

@@ -8,20 +8,27 @@ which `register()` adds with vLLM's own hook (registry.register_backend). What i
   allocation all see the real page. Layout LBHNC ([block, head, token, byte]): one (block, head) page is
   contiguous, as core/kv's kernels read it. Kernel block = the whole block (MultipleOf(16)): pages are
   never split, since each carries its own bf16 area.
-- `do_kv_cache_update`: rotate K/V (per-layer randomized Hadamard), write packed slots (Triton store on
-  CUDA, reference on CPU) and the bf16 sink/ring slots.
+- `do_kv_cache_update`: rotate K/V (per-layer randomized Hadamard, or the calibrated file named by
+  BONSAI_KV_ROTATION, this rank's KV heads of it), write packed slots (Triton store on CUDA, reference on
+  CPU) and the bf16 sink/ring slots.
 - `forward`: decode rows and speculative verify rows (query_len <= 1 + num_speculative_tokens: the
   builder declares spec-as-decode, so vLLM orders them first) go through `PagedK3V2.decode` (the grouped
   decode kernel on CUDA, the reference on CPU), causal inside the row; prefill rows through
-  `PagedK3V2.prefill_row` (dequantize + exact attention). Both follow one rule (see paged.py), so a
+  `PagedK3V2.prefill_row` (on CUDA the same decode kernel over sub-rows of the row's queries; on CPU,
+  or with BONSAI_K3V2_PREFILL_KERNEL=0, dequantized chunks in torch). Both follow one rule (see paged.py), so a
   verify row is never computed as a prefill that forgets the cached context.
+- BONSAI_KV_CAPTURE=DIR: every layer also records the post-RoPE q/k/v of the first
+  BONSAI_KV_CAPTURE_TOKENS tokens it sees (core/kv/calibration.py), for `bonsai-kv-calibrate`.
 
-Not yet: CUDA graphs (the builder says NEVER: attention runs eagerly between piecewise graphs), a fused
-prefill kernel, calibrated rotation files (the data-free Hadamard is used).
+Not yet: CUDA graphs (the builder says NEVER: attention runs eagerly between piecewise graphs), a prefill
+kernel of its own (the decode kernel reads the context once per sub-row of 2 queries).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import re
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -42,6 +49,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from bonsai_vllm.core.kv.calibration import DEFAULT_TOKENS, SampleRecorder
 from bonsai_vllm.core.kv.format import K3V2, KVFormat
 from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes
 from bonsai_vllm.core.kv.rotation import KVRotation
@@ -49,6 +57,14 @@ from bonsai_vllm.core.kv.rotation import KVRotation
 NAME = "BONSAI_K3V2"
 SPEC_GUARD = 4  # oldest ring slots never trusted (paged.py): covers up to 4 speculative tokens
 CACHE_DTYPE = "k3v2"
+ROTATION_ENV = "BONSAI_KV_ROTATION"  # calibrated rotation file (bonsai-kv-calibrate); unset: data-free Hadamard
+CAPTURE_ENV = "BONSAI_KV_CAPTURE"  # directory for calibration samples; unset: no capture
+CAPTURE_TOKENS_ENV = "BONSAI_KV_CAPTURE_TOKENS"
+# Prefill rows on CUDA through the decode kernel (sub-rows; paged.py). "0": the chunked torch path, checked
+# compiled on the H200, where the kernel route was checked only through Triton's interpreter so far.
+PREFILL_KERNEL_ENV = "BONSAI_K3V2_PREFILL_KERNEL"
+
+logger = logging.getLogger("vllm.bonsai")  # under "vllm": vLLM's log handlers print it
 
 
 def k3v2_format(head_size: int) -> KVFormat:
@@ -143,6 +159,50 @@ class K3V2MetadataBuilder(AttentionMetadataBuilder[K3V2Metadata]):
 _LAYER_IDX = re.compile(r"layers\.(\d+)\.")
 
 
+def _layer_index(layer) -> int:
+    m = _LAYER_IDX.search(getattr(layer, "layer_name", "") or "")
+    return int(m.group(1)) if m else 0
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except AssertionError:  # no TP group (a backend built outside an engine, as the unit tests do)
+        return 0, 1
+
+
+@functools.lru_cache(maxsize=2)
+def _rotation_tensors(path: str) -> dict[str, torch.Tensor]:
+    """The calibrated file, read once per process (every layer's impl takes its entries from it)."""
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{ROTATION_ENV}={path}: no such file. Write it with bonsai-kv-calibrate "
+                                f"(docs/kv-cache.md), or unset {ROTATION_ENV} for the data-free rotation.")
+    tensors = load_file(path)
+    logger.info("bonsai K3V2: calibrated KV rotations from %s (%d layers)", path, len(tensors) // 2)
+    return tensors
+
+
+@functools.lru_cache(maxsize=1)
+def _recorder() -> SampleRecorder | None:
+    out = os.environ.get(CAPTURE_ENV)
+    if not out:
+        return None
+    rank, _ = _tp_rank_size()
+    tokens = int(os.environ.get(CAPTURE_TOKENS_ENV, DEFAULT_TOKENS))
+    logger.info("bonsai K3V2: recording %d tokens of q/k/v per full-attention layer into %s", tokens, out)
+    return SampleRecorder(out, rank, tokens)
+
+
+def _full_attention_layers(vllm_config) -> list[int] | None:
+    cfg = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    types = getattr(cfg, "layer_types", None)
+    return [i for i, t in enumerate(types) if t == "full_attention"] if types else None
+
+
 class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
     supports_quant_query_input: bool = False
 
@@ -165,15 +225,31 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
         self.guard = max(SPEC_GUARD, _num_spec_tokens(get_current_vllm_config()))
         self._rot: dict[tuple[str, str], KVRotation] = {}
         self._geom: dict[int, PagedK3V2] = {}
+        # A calibrated file holds every KV head of the model; this rank takes its slice (vLLM gives rank r
+        # heads [r·H/tp, ...), or replicates one head over several ranks when tp > H).
+        self.rotation_file = os.environ.get(ROTATION_ENV) or None
+        rank, tp = _tp_rank_size()
+        config = get_current_vllm_config()
+        model_config = getattr(config, "model_config", None)
+        total = model_config.get_total_num_kv_heads() if model_config is not None else self.num_kv_heads * tp
+        self.head_offset = rank * total // tp
+        if self.rotation_file:  # fail at start-up, naming the file, rather than at the first request
+            tensors = _rotation_tensors(self.rotation_file)
+            for i in _full_attention_layers(config) or []:
+                KVRotation.from_file(self.rotation_file, i, self.num_kv_heads, self.head_offset, tensors=tensors)
 
     # ------------------------------------------------------------------------------------ helpers
     def rotation(self, layer, device: torch.device) -> KVRotation:
         name = getattr(layer, "layer_name", "") or ""
         key = (name, str(device))
         if key not in self._rot:
-            m = _LAYER_IDX.search(name)
-            self._rot[key] = KVRotation.randomized_hadamard(int(m.group(1)) if m else 0, self.num_kv_heads,
-                                                            self.head_size).to(device)
+            i = _layer_index(layer)
+            if self.rotation_file:
+                r = KVRotation.from_file(self.rotation_file, i, self.num_kv_heads, self.head_offset,
+                                         tensors=_rotation_tensors(self.rotation_file))
+            else:
+                r = KVRotation.randomized_hadamard(i, self.num_kv_heads, self.head_size)
+            self._rot[key] = r.to(device)
         return self._rot[key]
 
     def pages(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, PagedK3V2]:
@@ -222,6 +298,11 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
         cache, geom = self.pages(kv_cache)
         rot = self.rotation(layer, query.device)
         q_rot = rot.rotate_q(query[:n].view(n, self.num_heads, self.head_size))
+        recorder = _recorder()
+        if recorder is not None and key is not None:
+            recorder.add(_layer_index(layer), query[:n].view(n, self.num_heads, self.head_size),
+                         key[:n].view(n, self.num_kv_heads, self.head_size),
+                         value[:n].view(n, self.num_kv_heads, self.head_size))
         qsl = md.query_start_loc_cpu.tolist()
         qlens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
         kernels = self.use_kernels(query)
@@ -250,7 +331,8 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
                 k = key[a:b].view(b - a, self.num_kv_heads, self.head_size)
                 v = value[a:b].view(b - a, self.num_kv_heads, self.head_size)
                 o = geom.prefill_row(q_rot[a:b], rot.rotate_k(k), rot.rotate_v(v), cache, md.block_table[r],
-                                     int(seq_cpu[r]), self.scale)
+                                     int(seq_cpu[r]), self.scale,
+                                     use_kernels=kernels and os.environ.get(PREFILL_KERNEL_ENV, "1") != "0")
                 out[a:b] = rot.unrotate_out(o).to(out.dtype)
         return output
 

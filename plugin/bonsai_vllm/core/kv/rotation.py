@@ -61,21 +61,32 @@ class KVRotation:
         return cls(eye, eye.clone())
 
     @classmethod
-    def from_file(cls, path: str | Path, layer: int, num_kv_heads: int) -> "KVRotation":
-        from safetensors.torch import load_file
+    def from_file(cls, path: str | Path, layer: int, num_kv_heads: int, head_offset: int = 0,
+                  tensors: dict[str, torch.Tensor] | None = None) -> "KVRotation":
+        """Layer `layer`'s rotations from a calibrated file, for KV heads [head_offset, head_offset +
+        num_kv_heads) of the model (a tensor-parallel rank's slice; [D, D] entries serve every head).
+        `tensors`: the file's contents if already loaded (one read for all layers)."""
+        if tensors is None:
+            from safetensors.torch import load_file
 
-        t = load_file(str(path))
+            tensors = load_file(str(path))
         out = []
         for which in ("k", "v"):
-            r = t[f"layers.{layer}.{which}"].float()
+            name = f"layers.{layer}.{which}"
+            if name not in tensors:
+                raise ValueError(f"rotation file {path} has no {name}: it was calibrated for another model "
+                                 f"(layers {sorted({int(k.split('.')[1]) for k in tensors if k.startswith('layers.')})})")
+            r = tensors[name].float()
             if r.ndim == 2:
                 r = r.expand(num_kv_heads, -1, -1)
-            if r.shape[0] != num_kv_heads or r.shape[1] != r.shape[2]:
-                raise ValueError(f"rotation layers.{layer}.{which}: shape {tuple(r.shape)} does not fit "
-                                 f"{num_kv_heads} KV heads")
+            elif r.ndim == 3 and r.shape[0] >= head_offset + num_kv_heads:
+                r = r[head_offset:head_offset + num_kv_heads]
+            if r.ndim != 3 or r.shape[0] != num_kv_heads or r.shape[1] != r.shape[2]:
+                raise ValueError(f"rotation {name} in {path}: shape {tuple(tensors[name].shape)} does not fit "
+                                 f"KV heads {head_offset}..{head_offset + num_kv_heads - 1}")
             err = (r.double() @ r.double().transpose(1, 2) - torch.eye(r.shape[1], dtype=torch.float64)).abs().max()
             if err > 1e-3:
-                raise ValueError(f"rotation layers.{layer}.{which} is not orthogonal (max |R Rᵀ - I| = {err:.2e})")
+                raise ValueError(f"rotation {name} in {path} is not orthogonal (max |R Rᵀ - I| = {err:.2e})")
             out.append(r.contiguous())
         return cls(*out)
 
