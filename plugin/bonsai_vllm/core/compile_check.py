@@ -1,0 +1,239 @@
+"""Compile every Triton kernel at the 27B's shapes for the H200 (sm_90) and the RTX 50 series (sm_120), no GPU.
+
+    PYTHONPATH=plugin python -m bonsai_vllm.core.compile_check [--targets 90,120] [--json FILE]
+
+Our users run the kernels on GeForce Blackwell cards that nobody here has. A Triton kernel compiles at its
+first launch, for the GPU it launches on; a configuration tuned on the H200 can fail there for lack of
+resources: sm_120 gives a block at most 99 KiB of shared memory (the H200 227 KiB), and a launch whose
+registers × threads exceed the SM's 64 Ki registers is refused. Neither shows up on the H200.
+
+So this drives the real dispatch code (`kernels.linear.ternary_linear` for the six layers at every batch
+size class, with and without int8 weights kept; the Hadamard, quantization, all-reduce pack/unpack kernels;
+the K3V2 store, decode, merge and the prefill sub-rows) with CPU tensors, under a stand-in Triton driver
+that names the target and never launches: each `kernel[grid](...)` becomes a warm-up compile, through
+Triton's own specialization, to PTX and then a cubin by the ptxas Triton ships. For every compiled kernel
+it reports shared memory, registers and spilled bytes (ptxas -v), and whether the launch fits the target.
+Output values are garbage (nothing runs); only the compiled code is looked at. Not compiled: the GEMV
+"rows" variant (`gemv._gemv_rows_kernel`), which bench_decode times but the dispatch never launches.
+`tests/core/test_compile_check.py` runs this in CI and fails when a kernel is added without being driven here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+
+# Per-block shared memory a kernel may use (opt-in maximum) and registers per SM.
+SHARED_LIMIT = {90: 227 * 1024, 120: 99 * 1024}
+REGISTERS_PER_SM = 64 * 1024
+LAYERS = {  # per-rank TP=2 shapes (K -> N), as bench_kernels times them
+    "gate_up": (5120, 17408), "down": (8704, 5120), "qkv": (5120, 7168), "o_proj": (3072, 5120),
+    "gdn_in": (5120, 8192), "gdn_out": (3072, 5120)}
+BATCH_ROWS = (1, 2, 3, 16, 64, 512, 2048)  # one per dispatch class of kernels.linear (GEMV, int8 tiles)
+BATCH_ROWS_NO_W8 = (1, 4, 16, 64, 512)
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    target: int
+    num_warps: int
+    num_stages: int
+    shared: int
+    registers: int
+    spill_bytes: int
+    constexprs: str
+
+    @property
+    def fits(self) -> bool:
+        return (self.shared <= SHARED_LIMIT[self.target]
+                and self.registers * self.num_warps * 32 <= REGISTERS_PER_SM)
+
+
+class _CompileOnlyDriver:
+    """The piece of Triton's active driver that a warm-up compile asks for: device, stream, target."""
+
+    def __init__(self, capability: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_device(self) -> int:
+        return self.target.arch  # one kernel cache per target in each JITFunction
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self) -> bool:
+        return True
+
+
+_PTXAS = re.compile(r"Compiling entry function '(?P<name>[^']+)'.*?Used (?P<regs>\d+) registers", re.S)
+_SPILL = re.compile(r"(\d+) bytes spill stores")
+
+
+@contextlib.contextmanager
+def compile_only(capability: int, results: list[Compiled]):
+    """Every `jit_fn[grid](...)` inside compiles for `capability` (fresh cache, ptxas -v captured) and
+    returns without launching; `kernels._triton.usable` says yes to CPU tensors so dispatch takes the GPU
+    paths."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from bonsai_vllm.core.kernels import _triton, linear
+
+    ptxas: dict[str, tuple[int, int]] = {}  # compiled kernel hash -> (registers, spilled bytes)
+
+    def getitem(fn, grid):
+        def launch(*args, **kwargs):
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):
+                kernel = fn.run(*args, grid=grid, warmup=True, **kwargs)
+            m = _PTXAS.search(log.getvalue())
+            if m:  # a fresh compile (a cached specialization prints nothing: use what it printed then)
+                ptxas[kernel.hash] = (int(m.group("regs")), sum(int(s) for s in _SPILL.findall(log.getvalue())))
+            regs, spill = ptxas.get(kernel.hash, (-1, -1))
+            consts = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+            results.append(Compiled(fn.fn.__name__, capability, kernel.metadata.num_warps,
+                                    kernel.metadata.num_stages, kernel.metadata.shared, regs, spill,
+                                    json.dumps(consts, default=str)))
+            return kernel
+        return launch
+
+    saved = (JITFunction.__getitem__, _triton.usable, linear.usable)
+    cache = tempfile.mkdtemp(prefix="bonsai-compile-check-")
+    env = {"TRITON_CACHE_DIR": cache, "TRITON_DUMP_PTXAS_LOG": "1"}
+    old_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    previous_driver = driver._active  # None on a machine without a GPU: reset_active() would raise there
+    driver.set_active(_CompileOnlyDriver(capability))
+    JITFunction.__getitem__ = getitem
+    _triton.usable = linear.usable = lambda t: True
+    try:
+        yield
+    finally:
+        JITFunction.__getitem__, _triton.usable, linear.usable = saved
+        driver._active = previous_driver
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def drive_ternary() -> None:
+    """ternary_linear for every layer and dispatch class: rotation, GEMV, quantization, int8 GEMM, W8 expansion."""
+    from bonsai_vllm.core.kernels.int8mm import default_config, rescale
+    from bonsai_vllm.core.kernels.linear import prepare, ternary_linear
+
+    g = torch.Generator().manual_seed(0)
+    for name, (k, n) in LAYERS.items():
+        packed = torch.randint(-2**31, 2**31 - 1, (n, k // 16), generator=g, dtype=torch.int32)
+        scales = torch.rand(n, k // 128, generator=g).half() + 0.01
+        signs = torch.ones(k)
+        rotated = k % 1024 != 0  # down_proj's rank cuts a Hadamard block: callers pass x rotated
+        for keep_w8, rows in ((True, BATCH_ROWS), (False, BATCH_ROWS_NO_W8)):
+            tw = prepare(packed, scales, None if rotated else signs, expand_int8=keep_w8)
+            for m in rows:
+                ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
+                if default_config(m, n, k)[0] == "int_mm":  # on a GPU: cuBLAS _int_mm, then our rescale
+                    rescale(torch.zeros(m, n, dtype=torch.int32), torch.ones(m), torch.ones(n))
+
+
+def drive_allreduce() -> None:
+    from bonsai_vllm.core.kernels.allreduce import pack, unpack_sum
+
+    for rows in (128, 2048):
+        buf = pack(torch.randn(rows, 5120).bfloat16())
+        unpack_sum(torch.stack([buf, buf]), (rows, 5120), out_dtype=torch.bfloat16)
+
+
+def drive_kv() -> None:
+    """K3V2 (and K2V2) store and decode at head_dim 256: the whole model's 24/4 heads and a rank's 12/2,
+    one and two query positions, and a prefill row's sub-rows."""
+    from bonsai_vllm.core.kv.decode import decode
+    from bonsai_vllm.core.kv.format import K2V2, K3V2
+    from bonsai_vllm.core.kv.paged import PagedK3V2
+    from bonsai_vllm.core.kv.store import store
+
+    bs = 2080
+    for fmt in (K3V2, K2V2):
+        for hq, hkv in ((24, 4), (12, 2)):
+            cache = torch.zeros(4, hkv, fmt.page_bytes(bs), dtype=torch.uint8)
+            table = torch.arange(4, dtype=torch.int32)[None, :]
+            kv = torch.randn(64, hkv, 256)
+            store(cache, kv, kv, torch.arange(64), fmt, bs)
+            for ql in (1, 2):
+                win = torch.zeros(1, hkv, 132, 256, dtype=torch.bfloat16)
+                decode(torch.randn(1, ql, hq, 256), cache, table, torch.tensor([4000], dtype=torch.int32),
+                       win, win, torch.tensor([100], dtype=torch.int32), fmt, bs, 256 ** -0.5, q_start=4)
+    g = PagedK3V2(K3V2, bs, guard=4)
+    cache = torch.zeros(4, 2, g.page_bytes, dtype=torch.uint8)
+    g.prefill_row(torch.randn(37, 12, 256), torch.randn(37, 2, 256), torch.randn(37, 2, 256), cache,
+                  torch.arange(4, dtype=torch.int32), 4000, 256 ** -0.5, use_kernels=True)
+
+
+DRIVERS = {"ternary": drive_ternary, "allreduce": drive_allreduce, "kv": drive_kv}
+
+
+def run(targets: list[int]) -> list[Compiled]:
+    results: list[Compiled] = []
+    for cc in targets:
+        for name, drive in DRIVERS.items():
+            with compile_only(cc, results):
+                drive()
+    return results
+
+
+def table(results: list[Compiled]) -> str:
+    seen, lines = set(), ["| kernel | sm | warps | stages | shared KiB | registers | spill B | fits | constexprs |",
+                          "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        key = (r.kernel, r.target, r.num_warps, r.num_stages, r.constexprs)
+        if key in seen:
+            continue
+        seen.add(key)
+        lines.append(f"| {r.kernel} | {r.target} | {r.num_warps} | {r.num_stages} | {r.shared / 1024:.1f} | "
+                     f"{r.registers} | {r.spill_bytes} | {'yes' if r.fits else '**NO**'} | {r.constexprs[:80]} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default="90,120", help="compute capabilities, comma-separated")
+    ap.add_argument("--json", metavar="FILE", help="also write every compiled kernel as JSON")
+    args = ap.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("compile_check needs Triton", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("compile_check compiles for real GPUs: unset TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    results = run([int(t) for t in args.targets.split(",")])
+    print(table(results))
+    bad = [r for r in results if not r.fits or r.registers < 0]
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump([dict(asdict(r), fits=r.fits) for r in results], f, indent=1)
+    print(f"\n{len(results)} launches compiled, {len({(r.kernel, r.target) for r in results})} kernel×target pairs; "
+          f"{len(bad)} do not fit their target")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
