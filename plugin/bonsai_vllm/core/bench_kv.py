@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bonsai_vllm.core.bench_kernels import time_graph
 from bonsai_vllm.core.kv import reference as ref
 from bonsai_vllm.core.kv.format import K2V2, K3V2, KVFormat
 
@@ -126,30 +126,9 @@ def copies_for(nbytes: int) -> int:
 
 
 def graph_time(fns, reps: int = 7) -> float:
-    """Median µs per call of fns (run in order) captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000 / len(fns))
-    del g
-    return statistics.median(ts)
+    """Median µs per call of fns (run in order) captured in one CUDA graph: bench_kernels.time_graph with
+    each call its own buffer set."""
+    return time_graph(lambda i: fns[i](), copies=len(fns), calls=len(fns), reps=reps)
 
 
 def calls(n: int, copies: int) -> list[int]:
