@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bonsai_vllm.core.bench_kernels import time_graph
+from bonsai_vllm.core.bench_kernels import time_eager, time_graph
 from bonsai_vllm.core.kv import reference as ref
 from bonsai_vllm.core.kv.format import K2V2, K3V2, KVFormat
 
@@ -373,26 +373,35 @@ def bench_prefill(dev: str) -> str:
             run(kern)
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            t = time.perf_counter()
-            for _ in range(3):
-                run(kern)
-            torch.cuda.synchronize()
-            res.append(((time.perf_counter() - t) / 3 * 1e3, peak))
+            res.append((time_eager(lambda: run(kern)) / 1e3, peak))  # eager: the route syncs with the host
         kk = torch.randn(1, hq, n, D, generator=gen, device=dev).bfloat16()
         qq = torch.randn(1, hq, ql, D, generator=gen, device=dev).bfloat16()
-        F.scaled_dot_product_attention(qq, kk, kk)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(10):
-            F.scaled_dot_product_attention(qq, kk, kk)
-        torch.cuda.synchronize()
-        sdpa = (time.perf_counter() - t) / 10 * 1e3
+        sdpa = time_eager(lambda: F.scaled_dot_product_attention(qq, kk, kk), reps=10) / 1e3
         lines.append(f"| {ctx} | {ql} | {err:.1e} | {res[0][0]:.2f} | {res[0][1]:.0f} | {res[1][0]:.2f} | "
                      f"{res[1][1]:.0f} | {sdpa:.2f} |")
         say(lines[-1])
         del cache, kk, qq
         torch.cuda.empty_cache()
     return "\n".join(lines)
+
+
+def sweep_configs(cx: Ctx, grouped: bool, cfgs: list[dict], label: str, stop_s: float | None = None,
+                  note=lambda t: "") -> list[tuple[float, dict]]:
+    """Time decode with each configuration (one that raises is reported and skipped); stop past stop_s
+    seconds of the run once something was timed. -> [(µs, cfg)]"""
+    rows = []
+    for cfg in cfgs:
+        if stop_s is not None and elapsed() > stop_s and rows:
+            say(f"  sweep stopped at {elapsed():.0f} s (budget)")
+            break
+        try:
+            t = time_decode(cx, grouped, cfg)
+        except Exception as e:
+            say(f"  sweep {label} {cfg}: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        rows.append((t, cfg))
+        say(f"  sweep {label} 80k full {cfg}: {t:.1f} µs{note(t)}")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -465,34 +474,15 @@ def _run(args, dev, triton) -> int:
         sweep = sweep[:1]
     cx = Ctx(K3V2, 24, 4, CONTEXTS[-1], copies_for(CONTEXTS[-1] * 4 * K3V2.slot_bytes), dev=dev)
     floor80 = cx.bytes() / bw * 1e6
-    rows = []
-    for cfg in sweep:
-        if elapsed() > args.budget_s * 0.55 and rows:
-            say(f"  sweep stopped at {elapsed():.0f} s (budget)")
-            break
-        try:
-            t = time_decode(cx, True, cfg)
-        except Exception as e:
-            say(f"  sweep {cfg}: {type(e).__name__}: {str(e)[:160]}")
-            continue
-        rows.append((t, cfg))
-        say(f"  sweep grouped 80k full {cfg}: {t:.1f} µs ({t / floor80:.2f}× floor {floor80:.1f} µs)")
+    rows = sweep_configs(cx, True, sweep, "grouped", stop_s=args.budget_s * 0.55,
+                         note=lambda t: f" ({t / floor80:.2f}× floor {floor80:.1f} µs)")
     if not rows:
         say("no kernel configuration could be timed")
         FAILURES.append("sweep: nothing timed")
         return _finish(args, results, "")
     best = min(rows, key=lambda r: r[0])[1]
-    ph_rows = []
-    for cfg in PER_HEAD_SWEEP if not args.no_sweep else PER_HEAD_SWEEP[:1]:
-        if not CFG_OK.get(_cfg_key(cfg), False):
-            continue
-        try:
-            t = time_decode(cx, False, cfg)
-        except Exception as e:
-            say(f"  per-head {cfg}: {type(e).__name__}: {str(e)[:160]}")
-            continue
-        ph_rows.append((t, cfg))
-        say(f"  sweep per-head 80k full {cfg}: {t:.1f} µs")
+    per_head = [c for c in (PER_HEAD_SWEEP if not args.no_sweep else PER_HEAD_SWEEP[:1]) if CFG_OK.get(_cfg_key(c), False)]
+    ph_rows = sweep_configs(cx, False, per_head, "per-head")
     best_ph = min(ph_rows, key=lambda r: r[0])[1] if ph_rows else best
     results["sweep"] = [dict(cfg, us=t) for t, cfg in rows]
     results["sweep_per_head"] = [dict(cfg, us=t) for t, cfg in ph_rows]
