@@ -213,7 +213,8 @@ def test_core_kv_never_imports_vllm():
     code = ("import sys\n"
             "import bonsai_vllm.core.kv, bonsai_vllm.core.kv.reference, bonsai_vllm.core.kv.cache\n"
             "import bonsai_vllm.core.kv.capacity, bonsai_vllm.core.kv.rotation, bonsai_vllm.core.bench_kv\n"
-            "import bonsai_vllm.core.kv.store, bonsai_vllm.core.kv.decode\n"
+            "import bonsai_vllm.core.kv.store, bonsai_vllm.core.kv.decode, bonsai_vllm.core.kv.paged\n"
+            "import bonsai_vllm.core.kv.calibration, bonsai_vllm.core.compile_check\n"
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
