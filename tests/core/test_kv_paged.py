@@ -66,8 +66,8 @@ def _filled(use_kernels: bool, lens=(5, 300, 600), guard=1, seed=0):
 
 def test_geometry():
     assert content_bytes(K3V2) == 168 + 32
-    g = PagedK3V2(K3V2, 2080, guard=4)  # the 27B's hybrid-aligned block at TP=2
-    assert (g.bf16_slots, g.sink, g.ring, g.window) == (65, 4, 61, 57)
+    g = PagedK3V2(K3V2, 2176, guard=4)  # the 27B's hybrid-aligned block at TP=2 (kernel block 128)
+    assert (g.bf16_slots, g.sink, g.ring, g.window) == (68, 4, 64, 60)
     with pytest.raises(ValueError, match="no recent window"):
         PagedK3V2(FMT, 128, guard=1).validate()
 

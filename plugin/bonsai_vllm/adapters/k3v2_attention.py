@@ -6,7 +6,7 @@ which `register()` adds with vLLM's own hook (registry.register_backend). What i
 - `customize_spec`: pages of `paged.content_bytes` per token per KV head (200 B at head_dim 256: 168 B of
   packed K3V2 + the bf16 sinks/ring share), so vLLM's hybrid block-size alignment, pool sizing and
   allocation all see the real page. Layout LBHNC ([block, head, token, byte]): one (block, head) page is
-  contiguous, as core/kv's kernels read it. Kernel block = the whole block (MultipleOf(16)): pages are
+  contiguous, as core/kv's kernels read it. Kernel block = the whole block (MultipleOf(128)): pages are
   never split, since each carries its own bf16 area.
 - `do_kv_cache_update`: rotate K/V (per-layer randomized Hadamard, or the calibrated file named by
   BONSAI_KV_ROTATION, this rank's KV heads of it), write packed slots (Triton store on CUDA, reference on
@@ -50,6 +50,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from bonsai_vllm.core.kv.calibration import DEFAULT_TOKENS, SampleRecorder
+from bonsai_vllm.core.kv.decode import auto_splits
 from bonsai_vllm.core.kv.format import K3V2, KVFormat
 from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes
 from bonsai_vllm.core.kv.rotation import KVRotation
@@ -106,7 +107,10 @@ class K3V2AttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        return [MultipleOf(16)]
+        # A multiple of 128 tokens: the decode kernel's fastest tile (BLOCK_N 128, bench_kv) must divide the
+        # page. With MultipleOf(16) the 27B's hybrid-aligned block was 2080 tokens, which only BLOCK_N 32
+        # divides (never benchmarked); 2176 costs 0.3% of the pool (capacity.vllm_pool).
+        return [MultipleOf(128)]
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -318,10 +322,21 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
             else:
                 prefill_rows.append(r)
         for ql, rows in groups.items():
-            tok = torch.tensor([qsl[r] + j for r in rows for j in range(ql)], device=query.device)
-            ridx = torch.tensor(rows, device=query.device)
-            o = geom.decode(q_rot[tok].view(len(rows), ql, self.num_heads, self.head_size), cache,
-                            md.block_table[ridx], md.seq_lens[ridx], self.scale, use_kernels=kernels)
+            # No host sync per layer: the kernel's split count comes from the host's sequence lengths (an
+            # upper bound is fine: a split may be empty), not from n_quant.max().item() on the device.
+            kw = {"num_splits": auto_splits(int(md.seq_lens_cpu[rows].max()), len(rows), self.num_kv_heads)} \
+                if kernels else {}
+            r0, t0 = rows[0], qsl[rows[0]]
+            if rows == list(range(r0, r0 + len(rows))) and qsl[rows[-1]] + ql == t0 + len(rows) * ql:
+                # the usual case (vLLM puts decode rows first): slices, no index tensors to copy over
+                tok = slice(t0, t0 + len(rows) * ql)
+                table, lens = md.block_table[r0:r0 + len(rows)], md.seq_lens[r0:r0 + len(rows)]
+            else:
+                tok = torch.tensor([qsl[r] + j for r in rows for j in range(ql)], device=query.device)
+                ridx = torch.tensor(rows, device=query.device)
+                table, lens = md.block_table[ridx], md.seq_lens[ridx]
+            o = geom.decode(q_rot[tok].view(len(rows), ql, self.num_heads, self.head_size), cache, table, lens,
+                            self.scale, use_kernels=kernels, **kw)
             out[tok] = rot.unrotate_out(o).reshape(-1, self.num_heads, self.head_size).to(out.dtype)
 
         if prefill_rows:

@@ -20,7 +20,7 @@ One run:
 5. prints one table and writes bench-kv.md / bench-kv.json to --out (default $OUT or .).
 
 `--prefill` instead checks and times prefill rows (`PagedK3V2.prefill_row`, one TP=2 rank's 12 / 2 heads,
-the 27B's block of 2080): the decode-kernel route against the chunked torch route at D = 256, then both
+the 27B's served block of 2176): the decode-kernel route against the chunked torch route at D = 256, then both
 routes' time and peak extra memory beside bf16 SDPA (flash, no mask) over the same shapes.
 """
 
@@ -335,7 +335,7 @@ def bench_prefill(dev: str) -> str:
     """Prefill rows of one layer at one rank's shape: check the kernel route, time both routes."""
     from bonsai_vllm.core.kv.paged import PagedK3V2
 
-    g = PagedK3V2(K3V2, 2080, guard=4)
+    g = PagedK3V2(K3V2, 2176, guard=4)
     hq, hkv = SHAPES["rank"]
     lines = ["| context | QL | kernel vs torch rel. err | torch route ms | peak MiB | kernel route ms | peak MiB "
              "| bf16 SDPA ms |", "|---|---|---|---|---|---|---|---|"]

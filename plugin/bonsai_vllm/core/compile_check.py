@@ -168,7 +168,7 @@ def drive_kv() -> None:
     from bonsai_vllm.core.kv.paged import PagedK3V2
     from bonsai_vllm.core.kv.store import store
 
-    bs = 2080
+    bs = 2176  # the 27B's served K3V2 block at TP=2
     for fmt in (K3V2, K2V2):
         for hq, hkv in ((24, 4), (12, 2)):
             cache = torch.zeros(4, hkv, fmt.page_bytes(bs), dtype=torch.uint8)

@@ -13,8 +13,9 @@ bf16 area written from the slot alone:
 The bf16 area is a fixed share of the page, `D / 8` bytes per token per KV head (one bf16 K+V token per
 32 tokens, +19% over the 168 B at D = 256), so vLLM's page size stays linear in the block size (its
 hybrid block-size alignment and pool sizing assume that): content_bytes(K3V2) = 200 at D = 256.
-The ring length therefore grows with the block: at the 27B's hybrid-aligned block (2080 tokens at
-TP=2) there are 65 bf16 slots: 4 sinks and a ring of 61, a recent window of 57 with the guard of 4.
+The ring length therefore grows with the block: at the 27B's hybrid-aligned block (2176 tokens at
+TP=2, kernel block 128) there are 68 bf16 slots: 4 sinks and a ring of 64, a recent window of 60 with the
+guard of 4.
 
 What attention sees (`exact_mask`): for a sequence of L tokens whose newest QL are this step's queries,
 positions [0, sink) and [L - max(window, QL), L) are exact (bf16, rotated), every other position is
