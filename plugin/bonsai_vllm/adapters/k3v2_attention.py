@@ -190,6 +190,13 @@ def _rotation_tensors(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@functools.lru_cache(maxsize=None)
+def _file_rotation(path: str, layer: int, num_kv_heads: int, head_offset: int) -> KVRotation:
+    """One layer's slice of the calibrated file, checked once per process (every layer's impl checks the
+    whole model at start-up; the orthogonality check is a D×D product per head)."""
+    return KVRotation.from_file(path, layer, num_kv_heads, head_offset, tensors=_rotation_tensors(path))
+
+
 @functools.lru_cache(maxsize=1)
 def _recorder() -> SampleRecorder | None:
     out = os.environ.get(CAPTURE_ENV)
@@ -238,9 +245,8 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
         total = model_config.get_total_num_kv_heads() if model_config is not None else self.num_kv_heads * tp
         self.head_offset = rank * total // tp
         if self.rotation_file:  # fail at start-up, naming the file, rather than at the first request
-            tensors = _rotation_tensors(self.rotation_file)
             for i in _full_attention_layers(config) or []:
-                KVRotation.from_file(self.rotation_file, i, self.num_kv_heads, self.head_offset, tensors=tensors)
+                _file_rotation(self.rotation_file, i, self.num_kv_heads, self.head_offset)
 
     # ------------------------------------------------------------------------------------ helpers
     def rotation(self, layer, device: torch.device) -> KVRotation:
@@ -249,8 +255,7 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
         if key not in self._rot:
             i = _layer_index(layer)
             if self.rotation_file:
-                r = KVRotation.from_file(self.rotation_file, i, self.num_kv_heads, self.head_offset,
-                                         tensors=_rotation_tensors(self.rotation_file))
+                r = _file_rotation(self.rotation_file, i, self.num_kv_heads, self.head_offset)
             else:
                 r = KVRotation.randomized_hadamard(i, self.num_kv_heads, self.head_size)
             self._rot[key] = r.to(device)
