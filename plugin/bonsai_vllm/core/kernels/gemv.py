@@ -67,6 +67,15 @@ if triton is not None:
         return (pm & (0x4B000000 | (3 << (2 * J)))).to(tl.float32, bitcast=True) - (8388608.0 + (1 << (2 * J)))
 
     @triton.jit
+    def _word_tile(w_ptr, s_ptr, rn, nmask, wcol, kend, KW, G):
+        """W' words [BN, BW] of rows rn and word columns wcol (< kend), and each word's group scale. Words
+        masked off read as codes 0b01, value 0, so they add nothing."""
+        m = nmask[:, None] & (wcol < kend)[None, :]
+        p = tl.load(w_ptr + rn[:, None] * KW + wcol[None, :], mask=m, other=0x55555555)
+        s = tl.load(s_ptr + rn[:, None] * G + (wcol // 8)[None, :], mask=m, other=0.0)
+        return p, s
+
+    @triton.jit
     def _epilogue(v, y_ptr, y_off, ws_ptr, ws_off, ws_split, b_ptr, n_off, mask, cnt_ptr, tile, pid_s, nsplit,
                   REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
         """Write one program's float32 sums v (any shape; y_off / ws_off / n_off / mask index it alike).
@@ -112,17 +121,12 @@ if triton is not None:
         k0 = pid_s * ITERS * BW
         kend = tl.minimum(k0 + ITERS * BW, KW)
         wcol = k0 + tl.arange(0, BW)
-        wmask = nmask[:, None] & (wcol < kend)[None, :]
-        # [BN, BW] words; masked-off words read as codes 0b01, value 0
-        p = tl.load(w_ptr + rn[:, None] * KW + wcol[None, :], mask=wmask, other=0x55555555)
-        s = tl.load(s_ptr + rn[:, None] * G + (wcol // 8)[None, :], mask=wmask, other=0.0)  # scale of each word
+        p, s = _word_tile(w_ptr, s_ptr, rn, nmask, wcol, kend, KW, G)  # [BN, BW] words and their scales
         acc = tl.zeros([BN, BW], dtype=tl.float32)
         for it in range(0, ITERS):
             # issue the next step's loads before this step's arithmetic (two tiles in flight per warp)
             wnext = wcol + BW
-            nmask2 = nmask[:, None] & (wnext < kend)[None, :]
-            p_next = tl.load(w_ptr + rn[:, None] * KW + wnext[None, :], mask=nmask2, other=0x55555555)
-            s_next = tl.load(s_ptr + rn[:, None] * G + (wnext // 8)[None, :], mask=nmask2, other=0.0)
+            p_next, s_next = _word_tile(w_ptr, s_ptr, rn, nmask, wnext, kend, KW, G)
             lo = p | 0x4B000000
             hi = (p >> 16) | 0x4B000000
             xrow = x_ptr + m * stride_xm + wcol  # x'[m, 0, wcol]
@@ -158,16 +162,12 @@ if triton is not None:
         k0 = pid_s * ITERS * BW
         kend = tl.minimum(k0 + ITERS * BW, KW)
         wcol = k0 + tl.arange(0, BW)
-        wmask = nmask[:, None] & (wcol < kend)[None, :]
-        p = tl.load(w_ptr + rn[:, None] * KW + wcol[None, :], mask=wmask, other=0x55555555)  # [BN, BW] words
-        s = tl.load(s_ptr + rn[:, None] * G + (wcol // 8)[None, :], mask=wmask, other=0.0)
+        p, s = _word_tile(w_ptr, s_ptr, rn, nmask, wcol, kend, KW, G)  # [BN, BW] words and their scales
         acc = tl.zeros([BM, BN, BW], dtype=tl.float32)
         xrow = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
         for it in range(0, ITERS):
             wnext = wcol + BW
-            nmask2 = nmask[:, None] & (wnext < kend)[None, :]
-            p_next = tl.load(w_ptr + rn[:, None] * KW + wnext[None, :], mask=nmask2, other=0x55555555)
-            s_next = tl.load(s_ptr + rn[:, None] * G + (wnext // 8)[None, :], mask=nmask2, other=0.0)
+            p_next, s_next = _word_tile(w_ptr, s_ptr, rn, nmask, wnext, kend, KW, G)
             lo = p | 0x4B000000
             hi = (p >> 16) | 0x4B000000
             sf = s.to(tl.float32)
@@ -213,10 +213,8 @@ if triton is not None:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         for it in range(0, tl.cdiv(KW, BW)):
             wcol = it * BW + tl.arange(0, BW)
-            wmask = nmask[:, None] & (wcol < KW)[None, :]
-            # [BN, BW] words; masked-off words read as codes 0b01, value 0
-            p = tl.load(w_ptr + rn[:, None] * KW + wcol[None, :], mask=wmask, other=0x55555555)
-            s = tl.load(s_ptr + rn[:, None] * G + (wcol // 8)[None, :], mask=wmask, other=0.0).to(tl.float32)
+            p, s = _word_tile(w_ptr, s_ptr, rn, nmask, wcol, KW, KW, G)  # [BN, BW] words and their scales
+            s = s.to(tl.float32)
             lo = p | 0x4B000000
             hi = (p >> 16) | 0x4B000000
             xb = x_ptr + rm[None, :] * stride_xm + wcol[:, None]  # x'[m, 0, w] as [BW, BM]
