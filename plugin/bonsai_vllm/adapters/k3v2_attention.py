@@ -236,6 +236,7 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
         self.guard = max(SPEC_GUARD, _num_spec_tokens(get_current_vllm_config()))
         self._rot: dict[tuple[str, str], KVRotation] = {}
         self._geom: dict[int, PagedK3V2] = {}
+        self.prefill_kernel = os.environ.get(PREFILL_KERNEL_ENV, "1") != "0"
         # A calibrated file holds every KV head of the model; this rank takes its slice (vLLM gives rank r
         # heads [r·H/tp, ...), or replicates one head over several ranks when tp > H).
         self.rotation_file = os.environ.get(ROTATION_ENV) or None
@@ -332,8 +333,9 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
             kw = {"num_splits": auto_splits(int(md.seq_lens_cpu[rows].max()), len(rows), self.num_kv_heads)} \
                 if kernels else {}
             r0, t0 = rows[0], qsl[rows[0]]
-            if rows == list(range(r0, r0 + len(rows))) and qsl[rows[-1]] + ql == t0 + len(rows) * ql:
-                # the usual case (vLLM puts decode rows first): slices, no index tensors to copy over
+            if rows == list(range(r0, r0 + len(rows))):
+                # the usual case (vLLM puts decode rows first): consecutive rows of ql tokens each are
+                # consecutive tokens, so slices do, with no index tensors to copy over
                 tok = slice(t0, t0 + len(rows) * ql)
                 table, lens = md.block_table[r0:r0 + len(rows)], md.seq_lens[r0:r0 + len(rows)]
             else:
@@ -352,7 +354,7 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
                 v = value[a:b].view(b - a, self.num_kv_heads, self.head_size)
                 o = geom.prefill_row(q_rot[a:b], rot.rotate_k(k), rot.rotate_v(v), cache, md.block_table[r],
                                      int(seq_cpu[r]), self.scale,
-                                     use_kernels=kernels and os.environ.get(PREFILL_KERNEL_ENV, "1") != "0")
+                                     use_kernels=kernels and self.prefill_kernel)
                 out[a:b] = rot.unrotate_out(o).to(out.dtype)
         return output
 

@@ -260,12 +260,14 @@ class PagedK3V2:
         group = hq // hkv
         n_ctx = seq_len - ql
         dev = q_rot.device
+        qpages, bf = self.views(cache)
         if ql <= self.window:  # the exact tail reaches into the context: the ring holds it (and the row)
-            win_k, win_v, n_win_t, n_quant_t = self.window_buffers(
-                cache, block_table_row[None, :], torch.tensor([seq_len], device=dev))
-            n_win, n_quant = int(n_win_t[0]), int(n_quant_t[0])
+            win_k, win_v, _, _ = self.window_buffers(cache, block_table_row[None, :],
+                                                     torch.tensor([seq_len], device=dev))
+            s_b = min(self.sink, seq_len)  # as window_buffers counts them, on the host (no sync)
+            w_b = min(seq_len - s_b, self.window)
+            n_win, n_quant = s_b + w_b, seq_len - w_b
         else:  # exact tail = the row's own tokens; before them the sinks that are context
-            _, bf = self.views(cache)
             s_b = min(self.sink, n_ctx)
             pos = torch.arange(s_b, device=dev)
             sinks = self._bf16_at(bf, block_table_row[None, :].expand(s_b, -1), pos, pos < self.sink)
@@ -286,7 +288,7 @@ class PagedK3V2:
             nw = (n_win - ql + ends).to(torch.int32)
             nq = torch.full((rows,), n_quant, dtype=torch.int32, device=dev)
             splits = auto_splits(n_quant, rows, hkv)
-            o = decode(q, self.views(cache)[0], block_table_row[None, :].expand(rows, -1), nq,
+            o = decode(q, qpages, block_table_row[None, :].expand(rows, -1), nq,
                        win_k.expand(rows, -1, -1, -1), win_v.expand(rows, -1, -1, -1), nw, self.fmt,
                        self.block_size, sm_scale, q_start=self.sink, num_splits=splits)
             out[a:b] = o.reshape(b - a, hq, d)
