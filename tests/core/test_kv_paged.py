@@ -175,3 +175,75 @@ def test_prefill_row_kernel_matches_torch_path(seq, ql):
     out = g.prefill_row(q, k_own, v_own, cache, table[seq], n, D ** -0.5, use_kernels=True)
     err = ref.rel_err(out, want)
     assert err < TOL, err
+
+
+# ----------------------------------------------------------------------------------- long splits
+# At many rows the grid is full with one split per row (auto_splits(·, 48, 2) == 1 at the 27B's TP=2 rank
+# shape), so one program walks a row's whole context. The GPU's tensor cores add products into the float32
+# accumulator truncated at a quarter ulp of the largest term; a kernel that keeps the value codes' offset
+# in the accumulator then loses it over tens of thousands of tokens (H200: 4.6e-2 at 48 rows of 40-80k
+# tokens, 2.1e-1 for a prefill row at 130k). The interpreter rounds exactly, so these tests run the dots
+# through tensor_cores.truncating_dots(), the measured model of that accumulation. Against the kernel
+# before the fix (git 5668f3c) they fail: 9.8e-3 (decode), 1.0e-2 (verify), 1.5e-2 (prefill row); after it
+# they pass at ~4e-4, as on the H200.
+LONG_BS = 2048  # pages of 2048 tokens: 64 bf16 slots, a window of 59 with guard 1
+LONG_SPLITS = 1  # what auto_splits gives a 48-row batch at one rank's 12 / 2 heads
+
+
+def _long_pages(lens, seed):
+    g = PagedK3V2(FMT, LONG_BS, 1)
+    gen = torch.Generator().manual_seed(seed)
+    nb, table, seq_slots = shuffled_block_table(lens, LONG_BS, 1, gen)
+    cache = torch.full((nb, HKV_LONG, g.page_bytes), 255, dtype=torch.uint8, device=DEV)
+    for n, slots in zip(lens, seq_slots):
+        for a in range(0, n, 4096):
+            e = min(n, a + 4096)
+            g.write(cache, torch.randn(e - a, HKV_LONG, D, generator=gen).to(DEV),
+                    torch.randn(e - a, HKV_LONG, D, generator=gen).to(DEV), slots[a:e].to(DEV))
+    return g, cache, table.to(DEV), gen
+
+
+HQ_LONG, HKV_LONG = 6, 1  # one KV head's group of 6 (the interpreter's cost grows with the heads)
+
+
+def _tensor_cores():
+    import contextlib
+
+    if GPU:  # the real ones
+        return contextlib.nullcontext()
+    from tensor_cores import truncating_dots
+
+    return truncating_dots()
+
+
+@pytest.mark.parametrize("ql", [1, 2], ids=["decode", "verify"])
+def test_decode_kernel_long_split_keeps_small_contributions(ql):
+    lens = (32768, 20000)
+    g, cache, table, gen = _long_pages(lens, seed=20 + ql)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(len(lens), ql, HQ_LONG, D, generator=gen).to(DEV)
+    want = g.decode(q, cache, table, seq, D ** -0.5)
+    with _tensor_cores():
+        out = g.decode(q, cache, table, seq, D ** -0.5, use_kernels=True, num_splits=LONG_SPLITS)
+    err = ref.rel_err(out, want)
+    assert err < TOL, err
+
+
+def test_prefill_row_kernel_long_context_keeps_small_contributions(monkeypatch):
+    # A 512-token chunk at the real shape is 256 sub-rows: auto_splits gives them one split each. Here a few
+    # sub-rows would get many short splits, so the split count is pinned to what the real chunk gets.
+    from bonsai_vllm.core.kv import decode as decode_module
+
+    monkeypatch.setattr(decode_module, "auto_splits", lambda *a, **k: LONG_SPLITS)
+    n = 32768 + 6
+    g, cache, table, gen = _long_pages((n,), seed=30)
+    ql = 6  # within the window: the row's tokens come from the ring, 3 sub-rows of 2 (group 6)
+    q = torch.randn(ql, HQ_LONG, D, generator=gen).to(DEV)
+    _, bf = g.views(cache)
+    pos = torch.arange(n - ql, n, device=DEV)
+    kv = g._bf16_at(bf, table[0][None, :].expand(ql, -1), pos, pos < g.sink).float()
+    want = g.prefill_row(q, kv[:, :, 0], kv[:, :, 1], cache, table[0], n, D ** -0.5)
+    with _tensor_cores():
+        out = g.prefill_row(q, kv[:, :, 0], kv[:, :, 1], cache, table[0], n, D ** -0.5, use_kernels=True)
+    err = ref.rel_err(out, want)
+    assert err < TOL, err

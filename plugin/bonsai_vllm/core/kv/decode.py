@@ -37,6 +37,18 @@ H200 numbers are bench_kv's (run 2, 80k tokens, 24/4 heads, one layer) and offli
   bit's power of two): only ANDs before the products, the byte tiles go to the operand layout directly.
   53 µs (60 warp-instructions per token per KV head in the main loop; ~38 would keep pace with HBM).
 K tiles are loaded transposed ([dims, tokens]: the B operand of q·kᵀ as consumed), V tiles as they are.
+
+Accumulating. v̂ = c·s + m with codes c ∈ {0 … 3}: Σ p·s·c carries an offset of about 1.5·s·Σp per
+dimension that the min term Σ p·m cancels, so with diffuse attention over a long split the two are far
+larger than the output (randn data: ~2.3 against ~1/√(tokens)). The tensor cores add each product to the
+float32 accumulator truncated toward zero at 2^-2 ulp of the largest term (measured on the H200: products
+under a quarter ulp of the accumulator vanish; tests/core/tensor_cores.py models it), so a split of tens of
+thousands of tokens lost a few 1e-4 of that offset: 4.6e-2 relative error at 48 rows of 40-80k tokens (one
+split each), 2.1e-1 for a 512-token prefill row at 130k (gpu-check, 2026-12-01). So each tile's product
+starts from zero, and the codes' mean 3/2 is taken out (Σ pv·(c − 3/2) = tile − 3/2·Σ pv, the offset added
+to the min term) before the tile joins the accumulator: 4.9e-4 there, at 1-3 % of the kernel's time.
+Centring the codes before the products instead (exact fp16 arithmetic on the bits) was as accurate and
+7-15 % slower.
 """
 
 from __future__ import annotations
@@ -162,6 +174,11 @@ if triton is not None:
                 + tl.sum(q2.to(tl.float32), axis=1) * (16.0 if UNPACK >= 1 else 1.0) \
                 + tl.sum(q3.to(tl.float32), axis=1) * (64.0 if UNPACK >= 1 else 1.0)
             CF: tl.constexpr = 16777216.0 if UNPACK >= 1 else 1.0  # 2^24 for subnormal codes
+            # value pieces i: the subnormal codes are c · 4^i · 2^-24 (plain c with UNPACK 0)
+            VF0: tl.constexpr = CF
+            VF1: tl.constexpr = 4194304.0 if UNPACK >= 1 else 1.0
+            VF2: tl.constexpr = 1048576.0 if UNPACK >= 1 else 1.0
+            VF3: tl.constexpr = 262144.0 if UNPACK >= 1 else 1.0
             for t0 in range(start, end, BLOCK_N):
                 pg = tl.load(bt_ptr + b * stride_btb + t0 // BS).to(tl.int64)
                 base = cache_ptr + pg * stride_cb + kvh * stride_ch
@@ -215,18 +232,18 @@ if triton is not None:
                 s = s * ks[None, :] + qsum[:, None] * km[None, :]
                 s = tl.where(tm[None, :], s, float("-inf"))
                 p, alpha, m_i, l_i = _online(s, m_i, l_i)
-                pm = pm * alpha + tl.sum(p * vm[None, :], axis=1)
                 pv = (p * vs[None, :]).to(tl.float16)
                 vv = tl.load(base + OFF_V + off[:, None] * P + j[None, :], mask=tm[:, None], other=0).to(tl.int32)
-                acc0 = tl.dot(pv, _vcodes(vv, 0, UNPACK), acc0 * alpha[:, None])
-                acc1 = tl.dot(pv, _vcodes(vv, 1, UNPACK), acc1 * alpha[:, None])
-                acc2 = tl.dot(pv, _vcodes(vv, 2, UNPACK), acc2 * alpha[:, None])
-                acc3 = tl.dot(pv, _vcodes(vv, 3, UNPACK), acc3 * alpha[:, None])
-            if UNPACK >= 1:  # undo the 2^-24 · 4^i of subnormal value codes
-                acc0 = acc0 * 16777216.0
-                acc1 = acc1 * 4194304.0
-                acc2 = acc2 * 1048576.0
-                acc3 = acc3 * 262144.0
+                # Σ p·v̂ = Σ pv·(c − 3/2) + Σ (p·vm + 3/2·pv): each tile's product starts from zero and is
+                # centred before it joins the float32 accumulator, so the accumulator never holds the codes'
+                # offset (≈ |vm|, far larger than the output at long diffuse context; see "Accumulating")
+                pvf = pv.to(tl.float32)
+                c15 = 1.5 * tl.sum(pvf, axis=1)[:, None]
+                pm = pm * alpha + tl.sum(p * vm[None, :] + 1.5 * pvf, axis=1)
+                acc0 = acc0 * alpha[:, None] + (tl.dot(pv, _vcodes(vv, 0, UNPACK)) * VF0 - c15)
+                acc1 = acc1 * alpha[:, None] + (tl.dot(pv, _vcodes(vv, 1, UNPACK)) * VF1 - c15)
+                acc2 = acc2 * alpha[:, None] + (tl.dot(pv, _vcodes(vv, 2, UNPACK)) * VF2 - c15)
+                acc3 = acc3 * alpha[:, None] + (tl.dot(pv, _vcodes(vv, 3, UNPACK)) * VF3 - c15)
             acc0 += pm[:, None]
             acc1 += pm[:, None]
             acc2 += pm[:, None]
