@@ -1,10 +1,11 @@
-"""Hook the int8 all-reduce (`core.allreduce`) into vLLM's tensor-parallel group.
+"""Hook the int8 all-reduce (`core.kernels.allreduce.tp_all_reduce`) into vLLM's tensor-parallel group.
 
 Every row-parallel layer's all-reduce ends in `GroupCoordinator._all_reduce_out_place` — on GPU through
 the `vllm::all_reduce` custom op, on CPU directly — whatever name the caller imported
 (`tensor_model_parallel_all_reduce`), so that is where we wrap. For the TP group, payloads of at least
 `BONSAI_AR_INT8_MIN_TOKENS` rows go through `bonsai::int8_all_reduce`, an opaque custom op (so
-torch.compile does not trace the size test into the graph); smaller ones keep vLLM's own all-reduce.
+torch.compile does not trace the size test into the graph); smaller ones keep vLLM's own all-reduce. The
+op's body is the core's `tp_all_reduce`: Triton pack / unpack on CUDA, the PyTorch reference on CPU.
 
 Switches (environment, read once per process):
 - `BONSAI_AR_INT8=0` turns it off (default on, as report 002's `PRISM_AR_INT8=1`);
@@ -19,7 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from bonsai_vllm.core.allreduce import int8_all_reduce
+from bonsai_vllm.core.kernels.allreduce import tp_all_reduce
 
 logger = logging.getLogger("vllm.bonsai")
 
@@ -44,16 +45,13 @@ def _group(group_name: str):
 @torch.library.custom_op("bonsai::int8_all_reduce", mutates_args=())
 def int8_all_reduce_op(x: torch.Tensor, group_name: str, min_rows: int) -> torch.Tensor:
     group = _group(group_name)
-    rows = x.numel() // x.shape[-1]
-    if rows < min_rows or x.shape[-1] % 128:
-        return group.device_communicator.all_reduce(x.clone())
 
     def gather(buf: torch.Tensor) -> torch.Tensor:  # [bytes] -> [world, bytes]
         out = torch.empty(group.world_size * buf.numel(), dtype=buf.dtype, device=buf.device)
         dist.all_gather_into_tensor(out, buf, group=group.device_group)
         return out.view(group.world_size, -1)
 
-    return int8_all_reduce(x, gather)
+    return tp_all_reduce(x, gather, group.device_communicator.all_reduce, min_rows)
 
 
 @int8_all_reduce_op.register_fake
