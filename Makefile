@@ -32,7 +32,7 @@ PROXY_PORT ?= $(PORT)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv compile-check bench-priority doctor host lan lan-remove \
+.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring
 
 COMPOSE ?= docker compose
@@ -149,6 +149,9 @@ bench-decode: ## decode GEMV candidates (split-K fma, multi-row fma, int8 BM=16)
 
 bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) at the 27B's shapes (CUDA GPU)
 	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_kv --out .cache/bench-kv $(BENCH_ARGS)
+
+gpu-check: ## every kernel the served path launches, at the 27B's TP=2 shapes, against the references (CUDA GPU)
+	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.gpu_check --out .cache/gpu-check $(BENCH_ARGS)
 
 compile-check: venv ## compile every Triton kernel at the 27B's shapes for sm_90 and sm_120 (no GPU): shared memory, registers, spills
 	$(VPY) -m bonsai_vllm.core.compile_check --json .cache/compile-check.json

@@ -482,6 +482,30 @@ def bench_elementwise(bw, l2, device, sweep: bool, rows: list, sweep_rows: list)
         best = (tp, tu, tiles) if best is None or tp + tu < best[0] + best[1] else best
     record("all-reduce pack (int8)", 2 * m * k + nbytes, best[0], f"tiles={best[2]}")
     record("all-reduce unpack_sum (2 ranks)", 2 * nbytes + 2 * m * k, best[1], f"tiles={best[2]}; bf16 out")
+    bench_served_all_reduce(device, c, record)
+
+
+def bench_served_all_reduce(device, c: int, record) -> None:
+    """The served call itself, `tp_all_reduce` (what adapters/allreduce.py's op runs), against the PyTorch
+    reference the adapter called before (core.allreduce.int8_all_reduce), with one GPU standing in for two
+    ranks: the gather stacks this rank's pack with the other rank's, as the all-gather's output would
+    hold them (its copy is in both times: NCCL's transfer is not)."""
+    from bonsai_vllm.core import allreduce as ref
+    from bonsai_vllm.core.kernels import allreduce
+
+    k = ELEMENTWISE[1]
+    for m in (128, ELEMENTWISE[0]):
+        xs = [randn(m, k, device=device, seed=900 + i) for i in range(c)]
+        other = [allreduce.pack(randn(m, k, device=device, seed=950 + i)) for i in range(c)]
+        route = allreduce.route(xs[0], 128)
+        nbytes = 2 * m * k + 3 * (m * k + 4 * m * (k // 128)) + 2 * m * k  # read x, pack, gather, unpack, write
+        t_served = time_graph(lambda i: allreduce.tp_all_reduce(
+            xs[i], lambda b: torch.stack([b, other[i]]), lambda t: t, 128), c, calls_for(40))
+        t_ref = time_graph(lambda i: ref.int8_all_reduce(xs[i], lambda b: torch.stack([b, other[i]])), c,
+                           calls_for(200))
+        record("served int8 all-reduce", nbytes, t_served,
+               f"tp_all_reduce, route {route}; PyTorch reference {t_ref:.1f} us ({t_ref / t_served:.1f}x slower)",
+               f"{m}x{k}")
 
 
 def fmt_table(rows, erows, bw) -> str:
@@ -648,6 +672,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configurations")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for bench.md / bench.json / sweep.txt")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--elementwise-only", action="store_true",
+                    help="time only the elementwise kernels and the served all-reduce (no layers)")
     ap.add_argument("--jobs", type=int, default=8, help="processes compiling the kernels in parallel first (0: none)")
     ap.add_argument("--warm-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
@@ -681,7 +707,7 @@ def main(argv=None) -> int:
     say(f"## copy bandwidth {bw / 1e12:.3f} TB/s")
     rows, erows, sweep_rows = [], [], []
     say("## layers")
-    for i, (lname, k, n) in enumerate(SHAPES):
+    for i, (lname, k, n) in enumerate([] if args.elementwise_only else SHAPES):
         guard(f"timing {lname}", bench_layer, lname, k, n, bw, l2, dev, args.sweep, 1000 * (i + 1), rows, sweep_rows)
     say(f"## elementwise at {ELEMENTWISE[0]}x{ELEMENTWISE[1]}")
     guard("timing elementwise", bench_elementwise, bw, l2, dev, args.sweep, erows, sweep_rows)

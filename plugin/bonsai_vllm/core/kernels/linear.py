@@ -109,6 +109,39 @@ def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.T
     return y.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Route:
+    """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "gemv" (config: the
+    GEMV's, gemv.default_config) or "int8" (config: int8mm.default_config's (backend, tile); w8: "kept" at
+    load or "expanded" per call). make gpu-check prints it beside each case."""
+
+    path: str
+    config: tuple | None = None
+    w8: str = ""
+
+    def __str__(self) -> str:
+        if self.path == "gemv":
+            return f"gemv {self.config[0]} {self.config[1:]}"
+        if self.path == "int8":
+            backend, tile = self.config
+            return f"int8 {backend}{'' if tile is None else ' ' + str(tile)}, W8 {self.w8}"
+        return self.path
+
+
+def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
+    """The path for m rows (the dispatch rule of the module docstring)."""
+    if not triton_ok:
+        return Route("reference")
+    if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
+        from bonsai_vllm.core.kernels import gemv
+
+        return Route("gemv", gemv.default_config(m, tw.out_features, tw.in_features))
+    from bonsai_vllm.core.kernels import int8mm
+
+    return Route("int8", int8mm.default_config(m, tw.out_features, tw.in_features),
+                 "kept" if tw.w_int8 is not None else "expanded")
+
+
 def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] = H(s ⊙ x) · W'^T (+ bias), or xr · W'^T with `rotated=True`; returns x's dtype.
@@ -123,16 +156,16 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         raise ValueError(f"ternary_linear: cannot rotate here (width {k}, block {tw.block}, signs "
                          f"{'set' if tw.signs is not None else 'None'}); rotate with core.partition and "
                          "pass rotated=True")
-    if not usable(x):
-        return _reference(x, tw, rotated, bias)
-
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
+    r = route(m, tw, usable(x))
+    if r.path == "reference":
+        return _reference(x, tw, rotated, bias)
+    if r.path == "gemv":
         from bonsai_vllm.core.kernels import gemv
         from bonsai_vllm.core.kernels.hadamard import block_hadamard, gemv_order
 
-        cfg = gemv.default_config(m, tw.out_features, k)
+        cfg = r.config
         dt = gemv.x_dtype(cfg)
         # x' (the GEMV's planar layout): straight from the rotation kernel, or reordered if rotated already
         xp = gemv_order(x2, dtype=dt) if rotated else block_hadamard(x2, tw.signs, tw.block, gemv_order=True, dtype=dt)
@@ -145,7 +178,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         xr = x2 if rotated else block_hadamard(x2, tw.signs, tw.block)
         xq, ts = quantize_per_token(xr)
         w8 = tw.w_int8 if tw.w_int8 is not None else int8mm.expand_int8(tw.packed, tw.q)
-        backend, cfg = int8mm.default_config(m, tw.out_features, k)
+        backend, cfg = r.config
         if backend == "int_mm" and x.is_cuda:
             y = int8mm.int_mm_linear(xq, w8, ts, tw.row_scale, bias, x.dtype)
         else:
