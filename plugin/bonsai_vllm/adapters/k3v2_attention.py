@@ -61,8 +61,8 @@ CACHE_DTYPE = "k3v2"
 ROTATION_ENV = "BONSAI_KV_ROTATION"  # calibrated rotation file (bonsai-kv-calibrate); unset: data-free Hadamard
 CAPTURE_ENV = "BONSAI_KV_CAPTURE"  # directory for calibration samples; unset: no capture
 CAPTURE_TOKENS_ENV = "BONSAI_KV_CAPTURE_TOKENS"
-# Prefill rows on CUDA through the decode kernel (sub-rows; paged.py). "0": the chunked torch path, checked
-# compiled on the H200, where the kernel route was checked only through Triton's interpreter so far.
+# Prefill rows on CUDA through the decode kernel (sub-rows; paged.py), checked on the H200 by make gpu-check
+# (4-6x faster than the torch route; docs/benchmarks.md). "0": the chunked torch path.
 PREFILL_KERNEL_ENV = "BONSAI_K3V2_PREFILL_KERNEL"
 
 logger = logging.getLogger("vllm.bonsai")  # under "vllm": vLLM's log handlers print it
