@@ -101,7 +101,8 @@ def test_serve_command_defaults():
         assert flag in joined, flag
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "mtp", "num_speculative_tokens": 1}
-    assert "--kv-cache-dtype" not in cmd and "--kv-offloading-size" not in cmd
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "k3v2"  # report 002's format: 131072 tokens fit
+    assert "--kv-offloading-size" not in cmd
 
 
 def test_serve_command_knobs():
@@ -143,3 +144,74 @@ def test_compose_renders_with_env_example():
     assert r.returncode == 0, r.stderr
     vllm_env = json.loads(r.stdout)["services"]["vllm"]["environment"]
     assert vllm_env["BONSAI_SSD_EMBED_DIR"] == "/models/bonsai/embed_ssd"
+
+
+# ---- bonsai-serve --check: the memory plan, before vLLM loads anything
+
+RTX_5070 = "12227MiB"  # what torch reports for the target card
+
+
+def env_example() -> dict[str, str]:
+    env = {}
+    for line in (REPO / ".env.example").read_text().splitlines():
+        if line and not line.startswith("#") and "=" in line:
+            name, _, value = line.partition("=")
+            env[name] = value
+    # compose hands SSD_EMBED_DIR to the vllm service as BONSAI_SSD_EMBED_DIR
+    env["BONSAI_SSD_EMBED_DIR"] = env.get("SSD_EMBED_DIR", "")
+    return env
+
+
+def check(env: dict[str, str], size: str = RTX_5070) -> tuple[int, str]:
+    import io
+
+    from bonsai_vllm.serve import parse_size, preflight
+
+    out = io.StringIO()
+    return preflight(env, parse_size(size), out=out), out.getvalue()
+
+
+def test_env_example_defaults_fit_two_12gb_cards():
+    rc, text = check(env_example())
+    assert rc == 0, text
+    assert "KV pool (k3v2" in text and "fits" in text
+    for what in ("weights", "runtime", "GDN state per running sequence", "sequences of MAX_MODEL_LEN"):
+        assert what in text, what
+
+
+def test_bf16_kv_at_131072_tokens_is_refused_with_the_numbers():
+    rc, text = check(env_example() | {"KV": "auto", "MAX_MODEL_LEN": "131072"})
+    assert rc == 1, text
+    assert "does not fit" in text and "99,614 tokens" in text  # the bf16 pool beside the 131072 asked for
+    assert "KV=k3v2" in text and "MAX_MODEL_LEN=" in text  # the fixes, each with its own numbers
+
+
+def test_check_refuses_without_knowing_the_gpus(monkeypatch):
+    from bonsai_vllm import serve
+
+    monkeypatch.setattr(serve, "detect_gpus", lambda: [])
+    assert serve.preflight(env_example()) == 2
+    monkeypatch.setattr(serve, "detect_gpus", lambda: [("NVIDIA GeForce RTX 5070", 12227 << 20)])
+    assert serve.preflight(env_example()) == 1  # TP=2 on one visible GPU
+
+
+def test_serve_stops_before_vllm_when_the_plan_does_not_fit(monkeypatch):
+    from bonsai_vllm import serve
+
+    started = []
+    monkeypatch.setattr(serve, "detect_gpus", lambda: [("RTX 5070", 12227 << 20)] * 2)
+    monkeypatch.setattr(serve.os, "execvp", lambda *a: started.append(a))
+    monkeypatch.setattr(serve.os, "environ", env_example() | {"KV": "auto"})
+    assert serve.main([]) == 1 and not started
+    monkeypatch.setattr(serve.os, "environ", env_example())
+    serve.main([])
+    assert started and started[0][1][:2] == ["vllm", "serve"]
+
+
+def test_gpu_memory_sizes():
+    from bonsai_vllm.serve import parse_size
+
+    assert parse_size("12GiB") == 12 << 30 and parse_size("12227MiB") == 12227 << 20
+    assert parse_size("12 GB") == 12 * 10 ** 9 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="12GiB"):
+        parse_size("twelve")

@@ -98,6 +98,7 @@ class Options:
     official_revision: str = "main"
     vision_repo: str | None = None  # None: no vision tower (a text-only model)
     vision_revision: str = "main"
+    vision_check: bool = True  # refuse a tower whose model card names another base model (check_vision_lineage)
     mtp_repo: str | None = None  # None: keep the checkpoint's own MTP head
     mtp_file: str = "mtp.safetensors"
     mtp_revision: str = "main"
@@ -273,6 +274,29 @@ class Plan:
     convert_pack: bool = False  # official route: MLX pack -> prism_ternary in the store
 
 
+def card_base_models(card: str) -> list[str]:
+    """`base_model:` of a model card's YAML front matter (a string or a list), without a YAML parser: the
+    Hub writes it as `base_model: org/name` or as a `- org/name` list under it."""
+    lines = card.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return []
+    out: list[str] = []
+    inside = False
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        if line.startswith("base_model:"):
+            value = line.split(":", 1)[1].strip().strip("'\"")
+            if value:
+                out.append(value)
+            inside = not value
+        elif inside and line.lstrip().startswith("- "):
+            out.append(line.lstrip()[2:].strip().strip("'\""))
+        elif inside and line and not line.startswith(" "):
+            inside = False
+    return out
+
+
 class Builder:
     """One run of bonsai-fetch over `opts` (see the module docstring)."""
 
@@ -303,10 +327,40 @@ class Builder:
         src = Sources(weights=weights, route=route)
         if o.vision_repo:
             src.vision = self.hub.snapshot(o.vision_repo, o.vision_revision)
+            if o.vision_check:
+                self.check_vision_lineage(src)
         if o.mtp_repo:
             src.mtp = self.hub.snapshot(o.mtp_repo, o.mtp_revision)
             self.hub.require(src.mtp, o.mtp_file)
         return src
+
+    def base_models(self, snap: Snapshot) -> list[str]:
+        """The `base_model` entries of a repo's model card (README.md front matter), [] without any."""
+        if "README.md" not in snap.files:
+            return []
+        return card_base_models(self.hub.fetch(snap, "README.md").read_text(errors="replace"))
+
+    def check_vision_lineage(self, src: Sources) -> None:
+        """Refuse a vision tower trained for another model. The weights' model card names its base model
+        (Ternary-Bonsai-2-27B: Qwen3.8-27B); a tower is the model's own if its repo is that base, PrismML's
+        pack of this model, or a repo whose card shares a base model with the weights. A Qwen3.5-27B tower
+        passes every shape check (same architecture) and answers images through the wrong weights."""
+        weights_bases = set(self.base_models(src.weights))
+        vision = src.vision
+        if not weights_bases or vision.repo in (src.weights.repo, self.opts.official_repo):
+            if not weights_bases:
+                self.log(f"note: {src.weights.label()} names no base_model in its model card; the vision tower "
+                         f"from {vision.repo} is taken on trust")
+            return
+        related = {vision.repo} | set(self.base_models(vision))
+        if related & weights_bases:
+            return
+        raise IncompatibleError(
+            f"the vision tower in {vision.repo} does not belong to this model: {src.weights.repo} is built on "
+            f"{', '.join(sorted(weights_bases))}, while {vision.repo} "
+            f"{'is built on ' + ', '.join(sorted(related - {vision.repo})) if related - {vision.repo} else 'names no base model'}"
+            f". Set BONSAI_VISION_REPO to {sorted(weights_bases)[0]} or to PrismML's pack "
+            f"({self.opts.official_repo}), 'off' for a text-only model, or BONSAI_VISION_CHECK=0 to use it anyway.")
 
     def _index(self, snap: Snapshot) -> dict | None:
         if INDEX not in snap.files:

@@ -21,10 +21,12 @@ from bonsai_fetch.errors import FetchError, Interrupted, UsageError, classify
 # bonsai-fetch writes where the server looks.
 DEFAULT_OUT = "/models/bonsai"
 DEFAULT_MODEL_REPO = "fraserprice/Ternary-Bonsai-2-27B-vllm"
-# PrismML's own MLX 2-bit pack (the fallback source) and the base model whose shards hold the vision tower.
-# Both names are this project's best knowledge, not checked against the Hub: override them in .env.
+# PrismML's own MLX 2-bit pack (the fallback source), and the base model whose shards hold the vision tower:
+# Ternary-Bonsai-2-27B is a ternary Qwen3.8-27B (the upload's model card), so its tower is Qwen3.8-27B's; a
+# Qwen3.5-27B tower has the same shapes but belongs to another model (build.check_vision_lineage refuses it
+# by the model cards). Both names are this project's best knowledge: override them in .env.
 DEFAULT_OFFICIAL_REPO = "prism-ml/Ternary-Bonsai-2-27B-mlx-2bit"
-DEFAULT_VISION_REPO = "Qwen/Qwen3.5-27B"
+DEFAULT_VISION_REPO = "Qwen/Qwen3.8-27B"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 OFF = ("off", "none", "0", "false", "no")
 
@@ -38,6 +40,7 @@ ENV = {
     "official_revision": "BONSAI_OFFICIAL_REVISION",
     "vision_repo": "BONSAI_VISION_REPO",
     "vision_revision": "BONSAI_VISION_REVISION",
+    "vision_check": "BONSAI_VISION_CHECK",
     "mtp_repo": "BONSAI_MTP_REPO",
     "mtp_file": "BONSAI_MTP_FILE",
     "mtp_revision": "BONSAI_MTP_REVISION",
@@ -82,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
            "those shards are downloaded) or an MLX pack with vision_tower.*; 'off' for a text-only model "
            f"[BONSAI_VISION_REPO; default {DEFAULT_VISION_REPO}]")
     a("--vision-revision", metavar="REV", help="[BONSAI_VISION_REVISION; default main]")
+    a("--vision-check", metavar="1|0", help="refuse a vision tower whose model card names another base model than "
+                                            "the weights' card [BONSAI_VISION_CHECK; default 1]")
     a("--mtp-repo", metavar="REPO|off",
       help="a repo holding a replacement MTP head (e.g. a Japanese-trained one, report 002); 'off' keeps the "
            "checkpoint's own head [BONSAI_MTP_REPO; default off]")
@@ -157,6 +162,7 @@ def options_from(args: argparse.Namespace, env: Mapping[str, str]) -> Options:
         official_revision=get("official_revision", "main"),
         vision_repo=None if vision.strip().lower() in OFF else vision.strip(),
         vision_revision=get("vision_revision", "main"),
+        vision_check=get("vision_check", "1").strip().lower() not in OFF,
         mtp_repo=None if mtp.strip().lower() in OFF else mtp.strip(),
         mtp_file=get("mtp_file", "mtp.safetensors"),
         mtp_revision=get("mtp_revision", "main"),

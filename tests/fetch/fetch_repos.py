@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 REPO_VLLM = "fraserprice/Ternary-Bonsai-2-27B-vllm"
 REPO_OFFICIAL = "prism-ml/Ternary-Bonsai-2-27B-mlx-2bit"
-REPO_BASE = "Qwen/Qwen3.5-27B"
+REPO_BASE = "Qwen/Qwen3.8-27B"  # the model's own base: its vision tower
+REPO_OTHER_BASE = "Qwen/Qwen3.5-27B"  # same architecture and shapes, another model
 REPO_MTP = "bonsai-ja/Ternary-Bonsai-2-27B-mtp-ja"
 REPO_PRIVATE = "someone/private-copy"
 REPO_TEXT_ONLY = "someone/text-only-upload"
@@ -60,6 +61,7 @@ class Fixture:
     mtp_dir: Path
     counts: Path
     text_only: Path
+    other_base: Path  # the base repo again, its model card naming another model (Qwen3.5-27B)
 
     def mtp_ja(self) -> dict[str, torch.Tensor]:
         return load_file(self.mtp_dir / "mtp.safetensors")
@@ -95,6 +97,14 @@ def build_fixture(root: Path) -> Fixture:
 
     pack = write_mlx_pack(dense, root / "pack", seed=SIGN_SEED)
 
+    # Model cards as the Hub keeps them: the upload and the pack name the base model in their front matter.
+    for d in (upload, pack):
+        (d / "README.md").write_text(f"---\nlicense: apache-2.0\nbase_model:\n- {REPO_BASE}\n---\n# {d.name}\n")
+    (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# the dense base model\n")
+    other_base = root / "other-base"
+    shutil.copytree(base, other_base)
+    (other_base / "README.md").write_text(f"---\nbase_model: {REPO_OTHER_BASE}-Base\n---\n# another model\n")
+
     text = Qwen3_5TextConfig(**json.loads((dense / "config.json").read_text())["text_config"])
     mtp_dir = root / "mtp"
     mtp_dir.mkdir()
@@ -119,4 +129,4 @@ def build_fixture(root: Path) -> Fixture:
             "quantization_config": mm["quantization_config"]}
     (text_only / "config.json").write_text(json.dumps(flat, indent=2))
     _copy_side(ternary, text_only, skip=("config.json", "preprocessor_config.json"))
-    return Fixture(root, dense, ternary, upload, base, pack, mtp_dir, counts, text_only)
+    return Fixture(root, dense, ternary, upload, base, pack, mtp_dir, counts, text_only, other_base)

@@ -18,7 +18,7 @@ import pytest
 
 from bonsai_fetch import build as build_mod
 from bonsai_fetch.build import MARKER
-from fetch_repos import REPO_MTP, REPO_PRIVATE, REPO_VLLM, TOKEN
+from fetch_repos import REPO_BASE, REPO_MTP, REPO_OFFICIAL, REPO_OTHER_BASE, REPO_PRIVATE, REPO_VLLM, TOKEN
 
 SHARDS = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
 FAST = ("--vision-repo", "off", "--no-embed-export")  # the failure under test does not need them
@@ -202,6 +202,36 @@ def test_misfit_mtp_head_is_refused(tmp_path, fetch, hub):
     run = fetch("--out", str(out), *FAST, "--mtp-repo", REPO_MTP, "--mtp-file", "mtp-misfit.safetensors")
     assert run.code == 8 and "mtp.fc.weight" in run.out and "BONSAI_MTP_REPO=off" in run.out, run.out
     _untouched(out)
+
+
+def test_vision_tower_of_another_model_is_refused(tmp_path, fetch, hub):
+    # Qwen3.5-27B's tower fits Ternary-Bonsai-2-27B (a ternary Qwen3.8-27B) shape for shape: only the model
+    # cards tell them apart. The old default took it without a word.
+    out = tmp_path / "model"
+    run = fetch("--out", str(out), "--no-embed-export", "--vision-repo", REPO_OTHER_BASE)
+    assert run.code == 8, run.out
+    assert REPO_OTHER_BASE in run.out and REPO_BASE in run.out and "BONSAI_VISION_CHECK=0" in run.out
+    _untouched(out)
+    # asked for explicitly, it is taken
+    run = fetch("--out", str(out), "--no-embed-export", "--vision-repo", REPO_OTHER_BASE, "--vision-check", "0")
+    assert run.code == 0, run.out
+
+
+def test_default_vision_tower_is_the_models_own():
+    from bonsai_fetch.cli import DEFAULT_OFFICIAL_REPO, DEFAULT_VISION_REPO
+
+    assert DEFAULT_VISION_REPO == REPO_BASE and DEFAULT_OFFICIAL_REPO == REPO_OFFICIAL
+
+
+@pytest.mark.parametrize("card, bases", [
+    ("---\nbase_model: Qwen/Qwen3.8-27B\n---\n", ["Qwen/Qwen3.8-27B"]),
+    ("---\nlicense: mit\nbase_model:\n  - a/b\n  - 'c/d'\ntags: [x]\n---\nbase_model: not/this\n", ["a/b", "c/d"]),
+    ("# no front matter\nbase_model: x/y\n", []),
+])
+def test_model_card_base_models(card, bases):
+    from bonsai_fetch.build import card_base_models
+
+    assert card_base_models(card) == bases
 
 
 def test_bad_option_values(tmp_path, fetch):

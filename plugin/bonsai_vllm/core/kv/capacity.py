@@ -145,6 +145,125 @@ def kv_budget(gpu_bytes: float, utilization: float, weights_bytes: float, other_
     return utilization * gpu_bytes - weights_bytes - other_bytes
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The start-up plan (`bonsai-serve --check`): what one GPU holds with the served settings, and whether vLLM
+# will start. vLLM 0.32 refuses to start when the pool cannot hold one request of max_model_len
+# (kv_cache_utils.check_enough_kv_cache_memory); this says so in a second, with the numbers, instead of
+# after minutes of loading.
+
+# Bytes per token per KV head of the formats as the served backends page them (`--kv-cache-dtype`): K3V2
+# pages carry a bf16 sink/ring share (core/kv/paged.py: 168 + 32), and its kernel block is 128 tokens.
+KV_BYTES["fp8"] = KV_BYTES["bf16"] // 2
+KV_BYTES["k3v2_paged"] = K3V2.slot_bytes + 4 * HEAD_DIM // 32  # paged.content_bytes (that module needs torch)
+SERVED_KV = {"auto": ("bf16", 16), "bfloat16": ("bf16", 16), "fp8": ("fp8", 16),
+             "turboquant_4bit_nc": ("turboquant_4bit_nc", 16), "turboquant_k3v4_nc": ("turboquant_k3v4_nc", 16),
+             "k3v2": ("k3v2_paged", 128)}  # --kv-cache-dtype -> (KV_BYTES entry, kernel block)
+# Weights per GPU at TP=2 (report 002 §4.3, RTX 5070): with the embedding table on the GPU, and with only its
+# 32,000 hot rows there (SSD embeddings).
+WEIGHTS_PER_GPU = {"dense embedding": 5.24 * GIB, "SSD embeddings": 4.36 * GIB}
+# Everything else vLLM profiles per GPU (activations at MAX_BATCHED_TOKENS 2048, CUDA graphs, sampler,
+# NCCL and CUDA context): what report 002's measured pools leave of 0.72 · 12,227 MiB after the weights.
+RUNTIME_PER_GPU = int(0.72 * 12227 * (1 << 20) - WEIGHTS_PER_GPU["dense embedding"] - REPORT_002_KV_BYTES)
+
+
+@dataclass(frozen=True)
+class Plan:
+    gpu_bytes: int
+    gpus: int
+    utilization: float
+    kv_format: str
+    max_model_len: int
+    seqs: int
+    num_spec: int
+    ssd_embeddings: bool
+    weights: int
+    runtime: int
+    kv_bytes: int
+    pool: dict | None  # vllm_pool's answer, None when the format is unknown
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_bytes > 0 and self.pool is not None and self.pool["max_concurrency"] >= 1
+
+    @property
+    def gdn_state_per_seq(self) -> int:
+        return self.pool["gdn_state_bytes"] * GDN_LAYERS if self.pool else 0
+
+
+def plan(gpu_bytes: int, *, gpus: int = 2, tp: int = 2, utilization: float = 0.72, kv: str = "auto",
+         max_model_len: int = 131072, seqs: int = 24, num_spec: int = 1, ssd_embeddings: bool = True,
+         weights: int | None = None, runtime: int = RUNTIME_PER_GPU) -> Plan:
+    """The memory plan of one GPU of `gpu_bytes` for the 27B at these settings (weights as report 002
+    measured them unless given)."""
+    w = weights if weights is not None else WEIGHTS_PER_GPU["SSD embeddings" if ssd_embeddings else "dense embedding"]
+    kv_bytes = int(utilization * gpu_bytes - w - runtime)
+    pool = None
+    if kv in SERVED_KV:
+        name, kernel_block = SERVED_KV[kv]
+        settings = PoolSettings(max_model_len=max_model_len, num_spec=num_spec, kernel_block=kernel_block, tp=tp)
+        pool = vllm_pool(name, max(kv_bytes, 0), settings)
+    return Plan(gpu_bytes, gpus, utilization, kv, max_model_len, seqs, num_spec, ssd_embeddings, int(w), runtime,
+                kv_bytes, pool)
+
+
+def largest_fitting_len(p: Plan) -> int:
+    """The longest MAX_MODEL_LEN (a multiple of 1024) whose request still fits this plan's pool, 0 if none."""
+    if not p.pool or p.kv_bytes <= 0:
+        return 0
+    lo, hi = 0, p.max_model_len
+    while lo < hi:
+        mid = (lo + hi + 1024) // 2 // 1024 * 1024
+        if mid <= lo:
+            break
+        q = plan(p.gpu_bytes, gpus=p.gpus, utilization=p.utilization, kv=p.kv_format, max_model_len=mid,
+                 seqs=p.seqs, num_spec=p.num_spec, weights=p.weights, runtime=p.runtime)
+        lo, hi = (mid, hi) if q.fits else (lo, mid - 1024)
+    return lo
+
+
+def describe(p: Plan) -> list[str]:
+    """The plan as the lines bonsai-serve --check prints."""
+    g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+    usable = p.utilization * p.gpu_bytes
+    lines = [f"per GPU ({p.gpus} × {g(p.gpu_bytes)}, MEM {p.utilization}): {g(usable)} for vLLM = weights "
+             f"{g(p.weights)} ({'SSD embeddings, hot rows only' if p.ssd_embeddings else 'embedding table on the GPU'})"
+             f" + runtime {g(p.runtime)} + KV cache {g(max(p.kv_bytes, 0))}"]
+    if p.pool is None:
+        lines.append(f"KV format {p.kv_format!r}: not in the capacity model ({', '.join(SERVED_KV)}); no pool estimate")
+        return lines
+    pool = p.pool
+    lines.append(f"KV pool ({p.kv_format}, {pool['bytes_per_token_head']} B per token per KV head, block "
+                 f"{pool['block_size']} tokens): {pool['pool']:,} tokens at MAX_MODEL_LEN {p.max_model_len:,}")
+    lines.append(f"GDN state per running sequence: {p.gdn_state_per_seq / (1 << 20):.1f} MiB (48 layers, in the pool)")
+    lines.append(f"sequences of MAX_MODEL_LEN that fit at once: {pool['max_concurrency']:.2f}; SEQS {p.seqs} share "
+                 f"{pool['pool']:,} tokens ({pool['pool'] // max(p.seqs, 1):,} each if all are running)")
+    return lines
+
+
+def fixes(p: Plan) -> list[str]:
+    """What to change when the plan does not fit, each with the pool it would give."""
+    out = []
+    if p.pool is None:
+        return out
+    if p.kv_format != "k3v2":
+        k = plan(p.gpu_bytes, gpus=p.gpus, utilization=p.utilization, kv="k3v2", max_model_len=p.max_model_len,
+                 seqs=p.seqs, num_spec=p.num_spec, weights=p.weights, runtime=p.runtime)
+        if k.fits:
+            out.append(f"KV=k3v2 (3-bit keys, 2-bit values): pool {k.pool['pool']:,} tokens, "
+                       f"{k.pool['max_concurrency']:.1f} sequences of {p.max_model_len:,}")
+    n = largest_fitting_len(p)
+    if n:
+        out.append(f"MAX_MODEL_LEN={n} (the longest that fits with KV={p.kv_format})")
+    if p.utilization < 0.9:
+        hi = plan(p.gpu_bytes, gpus=p.gpus, utilization=0.9, kv=p.kv_format, max_model_len=p.max_model_len,
+                  seqs=p.seqs, num_spec=p.num_spec, weights=p.weights, runtime=p.runtime)
+        if hi.fits:
+            out.append(f"MEM=0.9 (only if no other program uses these GPUs): pool {hi.pool['pool']:,} tokens")
+    if not p.ssd_embeddings:
+        out.append("SSD_EMBED_DIR=/models/bonsai/embed_ssd (model-fetch exports it): 0.88 GiB more per GPU")
+    return out
+
+
 def main() -> None:
     print("Reported pools reconciled (vLLM 0.32 accounting: max_model_len 131072, MTP 1, align, bf16 GDN):")
     print(f"{'pool':<32}{'format':<22}{'reported':>10}{'blocks':>8}{'KV GiB/GPU (exact interval)':>32}"
