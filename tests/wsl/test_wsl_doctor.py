@@ -351,6 +351,43 @@ def test_low_disk_fails(host):
     assert status == "FAIL" and "20.5 GB" in text and "40 GB" in text
 
 
+def test_disk_is_checked_where_docker_keeps_the_models_volume(host):
+    # The model is written into the compose stack's volume, not into the repo: ask Docker where it is.
+    make_host(host, avail_kb=20_000_000)
+    volume = host.tmp / "docker" / "volumes" / "bonsai_models" / "_data"
+    volume.mkdir(parents=True)
+    rules = json.loads((host.fake_dir / "docker.json").read_text())
+    host.fake("docker", [{"contains": ["volume", "inspect", "bonsai_models"], "stdout": f"{volume}\n"}] + rules)
+    host.env.pop("DOCTOR_MODEL_DIR")  # the default: ask Docker
+    r = doctor(host)
+    status, _, text = r.finding("disk")
+    assert status == "FAIL" and "Docker volume bonsai_models" in text and str(volume) in text
+    assert ["-Pk", "--", str(volume)] in host.calls("df")
+
+
+def test_disk_before_the_volume_exists_is_dockers_data_root(host):
+    make_host(host)
+    root = host.tmp / "var-lib-docker"
+    root.mkdir()
+    rules = json.loads((host.fake_dir / "docker.json").read_text())
+    host.fake("docker", [{"contains": ["volume", "inspect"], "rc": 1, "stderr": "no such volume\n"},
+                         {"contains": ["info", "{{.DockerRootDir}}"], "stdout": f"{root}\n"}] + rules)
+    host.env.pop("DOCTOR_MODEL_DIR")  # the default: ask Docker
+    r = doctor(host)
+    status, _, text = r.finding("disk")
+    assert status == "OK" and "data root" in text and ["-Pk", "--", str(root)] in host.calls("df")
+
+
+def test_docker_desktop_volumes_cannot_be_checked_from_the_distro(host):
+    make_host(host)
+    rules = json.loads((host.fake_dir / "docker.json").read_text())
+    host.fake("docker", [{"contains": ["volume", "inspect"], "rc": 1},
+                         {"contains": ["info", "{{.DockerRootDir}}"], "stdout": "/var/lib/docker-desktop-vm\n"}] + rules)
+    host.env.pop("DOCTOR_MODEL_DIR")  # the default: ask Docker
+    status, _, text = doctor(host).finding("disk")
+    assert status == "WARN" and "Docker Desktop" in text
+
+
 def test_disk_threshold_and_model_dir_are_configurable(host):
     make_host(host, avail_kb=20_000_000)
     model_dir = host.tmp / "big" / "models"
