@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Run the gateway in the foreground on Debian's nginx + libnginx-mod-http-lua (`make proxy`, the tests,
-# the benchmark).
+# Run the gateway in the foreground on Debian's nginx + libnginx-mod-http-lua: the gateway image's entry
+# point (proxy/Dockerfile, compose), `make proxy`, the tests, the benchmark.
 #
 #   UPSTREAM=http://127.0.0.1:8000 PORT=8080 KEYS=proxy/keys proxy/run-local.sh
 #
-# It renders a wrapper nginx.conf into RUN_DIR holding only what differs from the OpenResty container:
-# the load_module lines Debian's nginx needs (OpenResty refuses them: its Lua module is built in), the
-# listen address, the upstream, the paths. Everything else is proxy/conf/*.conf and proxy/lua/, the same
-# files the OpenResty image loads (see proxy/openresty.conf).
+# It renders the main nginx.conf into RUN_DIR: the load_module lines of Debian's Lua module, the listen
+# addresses, the upstream, the paths. Everything else is proxy/conf/*.conf and proxy/lua/.
 #
 # Settings (environment):
 #   UPSTREAM        model server, http://host:port               (default http://127.0.0.1:8000)
 #   PORT, LISTEN    where the gateway listens                      (default 8080 on 127.0.0.1)
-#   METRICS_PORT    Prometheus metrics listener, "off" for none    (default 9145, always on 127.0.0.1)
+#   METRICS_PORT    Prometheus metrics listener, "off" for none    (default 9145)
+#   METRICS_LISTEN  its address: it has no key, so loopback unless  (default 127.0.0.1; the gateway image sets
+#                   a private network is all that reaches it        0.0.0.0: compose never publishes 9145)
 #   KEYS            keys file                                      (default proxy/keys)
 #   RUN_DIR         rendered config, pid, temp files               (default ${TMPDIR:-/tmp}/gateway-$PORT)
 #   ACCESS_LOG      JSON access log                                (default /dev/stdout)
@@ -29,6 +29,7 @@ UPSTREAM=${UPSTREAM:-http://127.0.0.1:8000}
 PORT=${PORT:-8080}
 LISTEN=${LISTEN:-127.0.0.1}
 METRICS_PORT=${METRICS_PORT:-9145}
+METRICS_LISTEN=${METRICS_LISTEN:-127.0.0.1}
 KEYS=${KEYS:-$here/keys}
 RUN_DIR=${RUN_DIR:-${TMPDIR:-/tmp}/gateway-$PORT}
 ACCESS_LOG=${ACCESS_LOG:-/dev/stdout}
@@ -65,19 +66,18 @@ if [[ $EUID -eq 0 ]]; then
     user_line="user root root;"
 fi
 
-# The metrics listener has no key, so it stays on loopback whatever LISTEN says.
+# The metrics listener has no key: loopback unless METRICS_LISTEN says otherwise, whatever LISTEN says.
 metrics_server=""
 if [[ $METRICS_PORT != off ]]; then
     metrics_server="server {
-        listen 127.0.0.1:$METRICS_PORT;
+        listen $METRICS_LISTEN:$METRICS_PORT;
         include $here/conf/metrics.conf;
     }"
 fi
 
 cat >"$RUN_DIR/nginx.conf" <<EOF
 # Rendered by proxy/run-local.sh; edits here are lost at the next start.
-# Debian's nginx loads Lua as dynamic modules. OpenResty has them built in and refuses these two lines,
-# which is why they live here and not in proxy/conf/.
+# Debian's nginx loads Lua as dynamic modules.
 load_module $MODULES/ndk_http_module.so;
 load_module $MODULES/ngx_http_lua_module.so;
 
@@ -125,7 +125,7 @@ http {
         include $here/conf/server.conf;
     }
 
-    # Prometheus metrics (gateway.metrics), no key; loopback only.
+    # Prometheus metrics (gateway.metrics), no key (METRICS_LISTEN).
     $metrics_server
 }
 EOF
@@ -133,7 +133,7 @@ EOF
 export PROXY_KEYS_FILE=$keys_file
 
 echo "gateway: http://$LISTEN:$PORT -> $UPSTREAM, keys $keys_file" >&2
-[[ $METRICS_PORT == off ]] || echo "gateway: metrics at http://127.0.0.1:$METRICS_PORT/metrics" >&2
+[[ $METRICS_PORT == off ]] || echo "gateway: metrics at http://$METRICS_LISTEN:$METRICS_PORT/metrics" >&2
 echo "gateway: reload after editing keys: $NGINX -p $RUN_DIR/ -c nginx.conf -s reload" >&2
 
 # exec: the caller's pid is nginx's master, so Ctrl-C, SIGTERM and SIGHUP (reload) reach it directly.

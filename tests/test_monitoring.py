@@ -122,10 +122,13 @@ def test_prometheus_scrapes_services_and_ports_that_exist(rendered):
         assert port in rendered["services"][host].get("expose", []), f"{hostport} is not exposed"
 
 
-def test_gateway_metrics_port_matches_the_openresty_listener():
-    conf = (REPO / "proxy" / "openresty.conf").read_text()
-    assert re.search(r"listen 9145;\s*\n\s*include [^;]*/conf/metrics\.conf;", conf)
-    assert re.search(r"listen 8080;\s*\n\s*include [^;]*/conf/server\.conf;", conf)
+def test_gateway_image_listens_where_compose_and_prometheus_expect():
+    # proxy/Dockerfile sets run-local.sh's settings: the public port compose publishes, and the metrics
+    # listener on every interface of the container (compose exposes 9145, never publishes it).
+    env = dict(re.findall(r"(\w+)=(\S+)", (REPO / "proxy" / "Dockerfile").read_text().split("ENV UPSTREAM", 1)[1]
+                          .split("EXPOSE", 1)[0].replace("\\\n", " ")))
+    assert env["PORT"] == "8080" and env["LISTEN"] == "0.0.0.0"
+    assert env["METRICS_PORT"] == "9145" and env["METRICS_LISTEN"] == "0.0.0.0"
 
 
 def test_grafana_provisioning_fits_the_mounts(rendered):

@@ -16,6 +16,22 @@ import requests
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_LOCAL = REPO / "proxy" / "run-local.sh"
+# With BONSAI_GATEWAY_ROOT set to the filesystem of the built gateway image (tests/images), every gateway of
+# these tests runs that image's run-local.sh, nginx and Lua module instead of the host's, this checkout's
+# proxy/ mounted where compose mounts it, /tmp (the tests' run dirs and keys) and the checkout shared.
+GATEWAY_ROOT = os.environ.get("BONSAI_GATEWAY_ROOT") or None
+
+
+def _in_gateway(*argv: str) -> list[str]:
+    """argv as the gateway image runs it (GATEWAY_ROOT), or on this machine."""
+    if GATEWAY_ROOT is None:
+        return list(argv)
+    return [str(REPO / "tests" / "images" / "in-image"), GATEWAY_ROOT, "--bind", f"{REPO / 'proxy'}:/etc/bonsai-gateway",
+            "--bind", "/tmp:/tmp", "--bind", f"{REPO}:{REPO}", "--", *argv]
+
+
+def run_local_command() -> list[str]:
+    return _in_gateway("/etc/bonsai-gateway/run-local.sh" if GATEWAY_ROOT else str(RUN_LOCAL))
 
 # Test keys: name -> (key, source, priority, options). Priorities as the issue sets them per source.
 KEYS = {
@@ -85,7 +101,7 @@ class Gateway:
     def start(self) -> "Gateway":
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._stderr = open(self.stderr_path, "ab")
-        self.proc = subprocess.Popen([str(RUN_LOCAL)], env=self.env, stdout=self._stderr,
+        self.proc = subprocess.Popen(run_local_command(), env=self.env, stdout=self._stderr,
                                      stderr=self._stderr, start_new_session=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -113,7 +129,7 @@ class Gateway:
 
     def reload(self) -> subprocess.CompletedProcess:
         """`nginx -s reload`, exactly as docs/proxy.md tells the operator."""
-        return subprocess.run(["nginx", "-p", f"{self.run_dir}/", "-c", "nginx.conf", "-s", "reload"],
+        return subprocess.run(_in_gateway("nginx", "-p", f"{self.run_dir}/", "-c", "nginx.conf", "-s", "reload"),
                               env=self.env, capture_output=True, text=True, timeout=10)
 
     def stderr(self) -> str:

@@ -16,8 +16,8 @@ from collections import defaultdict
 import pytest
 import requests
 
-from gateway_harness import KEYS, REPO, auth, free_port, keys_text
-from test_proxy_config import openresty_gateway, run_local
+from gateway_harness import KEYS, REPO, auth, keys_text
+from test_proxy_config import run_local
 
 DASHBOARD = REPO / "monitoring" / "grafana" / "dashboards" / "bonsai.json"
 
@@ -249,22 +249,23 @@ def test_metrics_can_be_turned_off(stub, keys_file, make_gateway):
         requests.get(gw.metrics_url, timeout=2)
 
 
-def test_openresty_config_serves_metrics_on_its_own_listener(stub, tmp_path):
-    """proxy/openresty.conf (the compose gateway): the metrics server it declares answers too."""
-    metrics_port = free_port()
-    with openresty_gateway(tmp_path, stub, metrics_port) as url:
-        assert requests.get(url + "/v1/models", headers=auth("bench")).status_code == 200
-        deadline = time.monotonic() + 5
-        while True:
-            text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-            counts = request_counts(parse_exposition(text)[1])
-            if counts or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert counts == {("benchmarks", "200"): 1}
-        assert requests.get(url + "/metrics").status_code == 404
-
-
+def test_metrics_listener_address_is_a_setting(stub, keys_file, make_gateway):
+    """METRICS_LISTEN: the gateway image listens on every interface of its container (compose exposes 9145
+    to Prometheus, never publishes it); by default, loopback only."""
+    gw = make_gateway(stub.url, keys_file, {"METRICS_LISTEN": "127.0.0.2"})
+    assert requests.get(gw.url + "/v1/models", headers=auth("bench")).status_code == 200
+    port = gw.metrics_url.rsplit(":", 1)[1].split("/")[0]
+    deadline = time.monotonic() + 5
+    while True:
+        text = requests.get(f"http://127.0.0.2:{port}/metrics", timeout=5).text
+        counts = request_counts(parse_exposition(text)[1])
+        if counts or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert counts == {("benchmarks", "200"): 1}
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    assert requests.get(gw.url + "/metrics").status_code == 404
 def dashboard_expressions() -> list[str]:
     dash = json.loads(DASHBOARD.read_text())
     return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]

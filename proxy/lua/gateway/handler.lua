@@ -56,7 +56,7 @@ local function env_number(name, default, parse)
 end
 
 function M.init()
-    -- The default path is where the OpenResty container mounts proxy/ (see proxy/openresty.conf).
+    -- run-local.sh always sets PROXY_KEYS_FILE; the default is the keys file beside conf/ under nginx's prefix.
     conf.keys_file = os.getenv("PROXY_KEYS_FILE")
     if conf.keys_file == nil or conf.keys_file == "" then
         conf.keys_file = ngx.config.prefix() .. "conf/gateway/keys"
