@@ -42,11 +42,13 @@ def adapter(monkeypatch, gloo_world):
             return fn(*a, **k)
         return wrapped
 
-    # the Triton wrappers, standing in with the reference maths (same wire format)
-    monkeypatch.setattr(kernels, "pack", spy("triton pack", lambda x, **k: ref.pack(x)))
-    monkeypatch.setattr(kernels, "unpack_sum", spy("triton unpack", lambda p, shape, out_dtype=torch.float32, **k:
-                                                   ref.unpack_sum(p, shape).to(out_dtype)))
-    monkeypatch.setattr(ref, "int8_all_reduce", spy("torch reference", ref.int8_all_reduce))
+    # The Triton wrappers, standing in with the reference maths (same wire format). Patched in the module the
+    # adapter's tp_all_reduce comes from: the kernel test modules make later imports load kernel modules anew.
+    g = adapter.tp_all_reduce.__globals__
+    monkeypatch.setitem(g, "pack", spy("triton pack", lambda x, **k: ref.pack(x)))
+    monkeypatch.setitem(g, "unpack_sum", spy("triton unpack", lambda p, shape, out_dtype=torch.float32, **k:
+                                             ref.unpack_sum(p, shape).to(out_dtype)))
+    monkeypatch.setattr(g["ref"], "int8_all_reduce", spy("torch reference", ref.int8_all_reduce))
     return adapter, calls, bf16_calls
 
 
@@ -59,7 +61,7 @@ def test_triton_where_triton_runs(adapter, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton can run on CPU tensors: usable() is True
     x = _payload(256)
     assert kernels.route(x, 128) == kernels.ROUTE_TRITON
-    y = op.int8_all_reduce_op(x, "tp:0", 128)
+    y = op.int8_all_reduce_op(x, "tp:0", 128)  # route decided by the adapter's own module, spied above
     assert calls == ["triton pack", "triton unpack"] and not bf16
     # one rank: the sum is this rank's dequantized payload, within half an int8 step
     assert ((y.float() - x.float()).abs() <= ref.error_bound([x]) + x.float().abs() * 2 ** -8).all()
