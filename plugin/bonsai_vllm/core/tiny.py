@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,6 +300,64 @@ def _save_with_parts(out_dir: Path, model, config, tokenizer, seed: int, *, mtp:
     # safetensors creates the file 0600; a served model must be readable by the server's user.
     (out_dir / "model.safetensors").chmod(0o644)
     (out_dir / "config.json").write_text(json.dumps(full, indent=2, sort_keys=True) + "\n")
+
+
+# What the scripted model says (write_scripted): a reasoning part, then an answer, in the corpus's words so
+# that the tokenizer has them as few, distinct tokens.
+SCRIPT_REASONING = "After Monday comes Tuesday, so the month after January is February"
+SCRIPT_ANSWER = "Counting: one two three four five six seven eight nine ten eleven twelve."
+
+
+def write_scripted(src: Path, out: Path, reasoning: str = SCRIPT_REASONING, answer: str = SCRIPT_ANSWER,
+                   scale: float = 1.0) -> list[int]:
+    """Copy tiny checkpoint `src` to `out` with weights that make it reply, to any prompt, with
+    `<think>reasoning</think>answer<|im_end|>`, token for token: a stand-in for the real model's answers
+    that goes through vLLM's real chat template, reasoning parser and streaming (the web UI tests).
+
+    How: every layer's output projection (attention o_proj, GDN out_proj, MLP down_proj) is zero, so the
+    residual stream at a position is just that token's embedding; the embeddings are random unit vectors,
+    and lm_head row b holds embedding a for each step a -> b of the reply (started by the last token of the
+    chat template's generation prompt). Each position's argmax is then the reply's next token, by a margin of
+    ~√hidden logits, whatever came before; the vision tower (if any) keeps its own weights. Every token of
+    the chain must be distinct (checked). Returns the chain's token ids."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    src, out = Path(src), Path(out)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(src)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "?"}], add_generation_prompt=True, tokenize=False)
+    chain = [tok.encode(prompt)[-1], tok.convert_tokens_to_ids("<think>"), *tok.encode(reasoning),
+             tok.convert_tokens_to_ids("</think>"), *tok.encode(answer), tok.eos_token_id]
+    if len(set(chain)) != len(chain):
+        dup = sorted({tok.decode([t]) for t in chain if chain.count(t) > 1})
+        raise ValueError(f"write_scripted: the reply repeats the tokens {dup}; every token may occur once")
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    lm = "model.language_model." if any(k.startswith("model.language_model.") for k in tensors) else "model."
+    embed = tensors[f"{lm}embed_tokens.weight"]
+    vocab, hidden = embed.shape
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(vocab, hidden, generator=g)
+    e = e / e.norm(dim=-1, keepdim=True)  # unit rows: after the final RMSNorm each has norm √hidden
+    head = torch.zeros(vocab, hidden)
+    for a, b in zip(chain, chain[1:]):
+        head[b] += scale * e[a]
+    for name, t in tensors.items():
+        if name.startswith(lm + "layers.") and name.endswith(("o_proj.weight", "out_proj.weight",
+                                                                 "down_proj.weight")):
+            tensors[name] = torch.zeros_like(t)
+    tensors[f"{lm}embed_tokens.weight"] = e.to(embed.dtype)
+    tensors["lm_head.weight"] = head.to(tensors["lm_head.weight"].dtype)
+    tensors[f"{lm}norm.weight"] = torch.zeros_like(tensors[f"{lm}norm.weight"])  # zero-centred: scale 1
+    save_file(tensors, path, metadata={"format": "pt"})
+    path.chmod(0o644)
+    # Web UIs send long system prompts (Open WebUI: ~25 kB with its tools); attention contributes nothing
+    # here, so any context length answers the same.
+    cfg = json.loads((out / "config.json").read_text())
+    (cfg.get("text_config") or cfg)["max_position_embeddings"] = 65536
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return chain
 
 
 def main(argv: list[str] | None = None) -> int:
