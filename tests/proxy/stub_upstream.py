@@ -11,6 +11,8 @@ Behaviour, chosen per request by headers the gateway passes through untouched:
   X-Stub-Framing: close      send the stream without chunked encoding, ended by closing the connection
                              (vLLM uses chunked; nginx flushes chunked pieces even when buffering, so
                              this framing is what shows whether the gateway buffers)
+  X-Stub-Framing: length     send the stream with a Content-Length, still piece by piece (as a non-streamed
+                             answer's body can arrive), on a connection that stays open
 POST bodies with "stream": true get Server-Sent Events, other POSTs a small chat.completion JSON,
 GET /v1/models a model list.
 """
@@ -129,12 +131,19 @@ class StubUpstream:
             def _stream(self, seen: Seen) -> None:
                 chunks = int(self.headers.get("X-Stub-Chunks", "5"))
                 delay = float(self.headers.get("X-Stub-Delay", "0.1"))
-                chunked = self.headers.get("X-Stub-Framing", "chunked") == "chunked"
+                framing = self.headers.get("X-Stub-Framing", "chunked")
+                chunked = framing == "chunked"
+                start = time.time()
+                # With a length every event is built up front; "t" is then when it is due to go out.
+                planned = [b"data: " + json.dumps({"i": i, "t": start + i * delay}).encode() + b"\n\n"
+                           for i in range(chunks)] + [b"data: [DONE]\n\n"]
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
                 if chunked:
                     self.send_header("Transfer-Encoding", "chunked")
+                elif framing == "length":
+                    self.send_header("Content-Length", str(sum(map(len, planned))))
                 else:
                     self.send_header("Connection", "close")
                     self.close_connection = True
@@ -146,7 +155,8 @@ class StubUpstream:
 
                 try:
                     for i in range(chunks):
-                        event = b"data: " + json.dumps({"i": i, "t": time.time()}).encode() + b"\n\n"
+                        event = (planned[i] if framing == "length" else
+                                 b"data: " + json.dumps({"i": i, "t": time.time()}).encode() + b"\n\n")
                         self.wfile.write(frame(event))
                         self.wfile.flush()
                         seen.chunks_sent = i + 1

@@ -57,6 +57,30 @@ def test_concurrent_limit_counts_streams_in_flight(gateway, stub):
     assert requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one")).status_code == 200
 
 
+def test_answer_with_length_holds_slot_until_its_last_byte(gateway, stub):
+    # An answer with a Content-Length gives its slot back as its final byte passes the gateway (not
+    # when nginx later flags the end, which comes after the client already has everything). Counted
+    # bytes, so it must neither give the slot back at the first piece nor keep it after the last.
+    body = b'{"model":"m","stream":true}'
+    sock = raw_request(gateway.port, "POST", CHAT, {**auth("one"), "Content-Length": str(len(body)),
+                                                     "X-Stub-Chunks": "6", "X-Stub-Delay": "0.2",
+                                                     "X-Stub-Framing": "length"}, body)
+    try:
+        status, head, rest = read_head(sock)
+        assert status == 200 and "content-length" in head
+        events = stream_events(sock, rest)
+        next(events)
+        next(events)  # two of six pieces arrived: the slot is still taken
+        resp = requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one"))
+        assert resp.status_code == 429, resp.text
+        rest_events = list(events)
+    finally:
+        sock.close()
+    assert rest_events[-1][1] == b"[DONE]"
+    # The connection to the gateway is still open (keep-alive), the answer is complete: slot back.
+    assert requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one")).status_code == 200
+
+
 def test_slot_given_back_after_rejected_body_and_aborted_stream(gateway, stub):
     for _ in range(3):
         resp = requests.post(gateway.url + CHAT, data=b"[1]", headers=auth("one"))

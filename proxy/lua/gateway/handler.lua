@@ -187,17 +187,32 @@ function M.access()
     end
 end
 
--- The slot is given back when the response's last buffer passes the body filter, i.e. before the
--- client has the end of the response. Giving it back in the log phase only would race: a client that
--- sends its next request as soon as the previous answer is complete could reach the other worker before
--- this one ran its log phase, and get a 429 it did not earn.
+-- The slot is given back before the client can have the end of the response. Giving it back in the log
+-- phase only would race: a client that sends its next request as soon as the previous answer is complete
+-- could reach the other worker before this one ran its log phase, and get a 429 it did not earn.
+-- The last buffer's flag (ngx.arg[2]) is not early enough for an answer with a Content-Length: with
+-- proxy_buffering off nginx writes the upstream's bytes to the client first and only then, when it
+-- finalizes the upstream request, sends the last-buffer flag through this filter -- by which time the
+-- client has every byte it was promised (CI saw that race once in 150 back-to-back requests). So such an
+-- answer gives the slot back as its final byte passes here, on its way to the socket. A chunked answer
+-- (streams) is safe with the flag: its terminating chunk is written by the chunked filter after this one.
 function M.body_filter()
-    if ngx.arg[2] then
-        local var = ngx.var
-        if var.gw_slot == "1" then
-            var.gw_slot = ""
-            limits.release_slot(var.gw_key_id)
+    local var = ngx.var
+    if var.gw_slot ~= "1" then
+        return
+    end
+    local done = ngx.arg[2]
+    if not done then
+        local length = tonumber(ngx.header["Content-Length"])
+        if length then
+            local ctx = ngx.ctx
+            ctx.gw_sent = (ctx.gw_sent or 0) + #ngx.arg[1]
+            done = ctx.gw_sent >= length
         end
+    end
+    if done then
+        var.gw_slot = ""
+        limits.release_slot(var.gw_key_id)
     end
 end
 
