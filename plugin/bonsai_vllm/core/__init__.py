@@ -1,1 +1,0 @@
-"""The vLLM-free core: imports torch, numpy and safetensors, never vLLM (nor anything that imports it)."""
