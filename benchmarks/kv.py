@@ -1,6 +1,6 @@
 """Check, then time, the K3V2 KV-cache kernels at the 27B's shapes (`make bench-kv`; needs a CUDA GPU).
 
-    PYTHONPATH=plugin python -m bonsai_vllm.core.bench_kv [--out DIR] [--budget-s 300] [--no-sweep]
+    PYTHONPATH=plugin python -m benchmarks.kv [--out DIR] [--budget-s 300] [--no-sweep]
 
 One run:
 1. checks on fresh random data at real shapes (24 query / 4 KV heads and the TP=2 rank's 12 / 2,
@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bonsai_vllm.core.bench_kernels import time_eager, time_graph
-from bonsai_vllm.core.kv import reference as ref
-from bonsai_vllm.core.kv.format import K2V2, K3V2, KVFormat
+from benchmarks.kernels import time_eager, time_graph
+from bonsai_vllm.kv import reference as ref
+from bonsai_vllm.kv.format import K2V2, K3V2, KVFormat
 
 D = 256
 SHAPES = {"full": (24, 4), "rank": (12, 2)}  # (query heads, KV heads): whole model, one TP=2 rank
@@ -82,7 +82,7 @@ class Ctx:
 
     def __init__(self, fmt: KVFormat, hq: int, hkv: int, ctx: int, copies: int, ql: int = 1, seed: int = 0,
                  dev: str = "cuda"):
-        from bonsai_vllm.core.kv.store import store
+        from bonsai_vllm.kv.kernels.store import store
 
         g = torch.Generator(device=dev).manual_seed(seed)
         self.fmt, self.hq, self.hkv, self.ql = fmt, hq, hkv, ql
@@ -139,7 +139,7 @@ def calls(n: int, copies: int) -> list[int]:
 # ------------------------------------------------------------------------------------------- checks
 
 def check_store(dev: str, t: int = 4096) -> None:
-    from bonsai_vllm.core.kv.store import store
+    from bonsai_vllm.kv.kernels.store import store
 
     say("store kernel vs reference.store_ref")
     for fmt in (K3V2, K2V2):
@@ -175,7 +175,7 @@ def check_store(dev: str, t: int = 4096) -> None:
 
 
 def check_decode(dev: str, ctx: int = 8192, variants=(0, 1, 2), quick: bool = False) -> dict[int, bool]:
-    from bonsai_vllm.core.kv.decode import decode
+    from bonsai_vllm.kv.kernels.decode import decode
 
     say("decode kernel vs reference.decode_ref (8k tokens + sinks + window)")
     unpack_ok = {}
@@ -228,8 +228,8 @@ def check_decode(dev: str, ctx: int = 8192, variants=(0, 1, 2), quick: bool = Fa
 def check_layer(dev: str, n0: int = 3000, steps: int = 70) -> None:
     """The whole layer with kernels against the same layer on the reference: prefill + decode steps
     with flushes, window, sinks, then verify rows (QL = 2)."""
-    from bonsai_vllm.core.kv.cache import LayerKVCache
-    from bonsai_vllm.core.kv.rotation import KVRotation
+    from bonsai_vllm.kv.cache import LayerKVCache
+    from bonsai_vllm.kv.rotation import KVRotation
 
     say("layer (store + decode kernels) vs layer on the reference")
     hq, hkv = 24, 4
@@ -278,12 +278,11 @@ def copy_bandwidth(dev: str) -> dict:
            "sm_kernel_graph": 2 * n / (graph_time([lambda: torch.mul(a, 1.0, out=b)] * 8) * 1e-6),
            "copy_do_bench": 2 * n / (triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200,
                                                              return_mode="median") * 1e-3)}
-    del a, b
     return out
 
 
 def time_decode(cx: Ctx, grouped: bool, cfg: dict, splits: int | None = None) -> float:
-    from bonsai_vllm.core.kv.decode import auto_splits, decode
+    from bonsai_vllm.kv.kernels.decode import auto_splits, decode
 
     # programs per split: one per KV head (grouped) or one per query head
     s = splits or auto_splits(cx.nq, 1, cx.hkv if grouped else cx.hq, cfg["block_n"],
@@ -303,9 +302,7 @@ def time_sdpa(hq: int, hkv: int, ctx: int, ql: int, dev: str) -> float:
     vs = [torch.randn(1, hkv, ctx, D, generator=g, device=dev).bfloat16() for _ in range(copies)]
     q = torch.randn(1, hq, ql, D, generator=g, device=dev).bfloat16()
     fns = [(lambda c=c: F.scaled_dot_product_attention(q, ks[c], vs[c], enable_gqa=True)) for c in calls(0, copies)]
-    t = graph_time(fns)
-    del ks, vs
-    return t
+    return graph_time(fns)
 
 
 # unpack, block_n, warps, stages (None: Triton's default), ilp, target programs (decode.auto_splits; since
@@ -333,7 +330,7 @@ PREFILL_CASES = [(8192, 512), (32768, 512), (130560, 512), (129024, 2048), (4000
 
 def bench_prefill(dev: str) -> str:
     """Prefill rows of one layer at one rank's shape: check the kernel route, time both routes."""
-    from bonsai_vllm.core.kv.paged import PagedK3V2
+    from bonsai_vllm.kv.paged import PagedK3V2
 
     g = PagedK3V2(K3V2, 2176, guard=4)
     hq, hkv = SHAPES["rank"]
@@ -380,7 +377,7 @@ def bench_prefill(dev: str) -> str:
         lines.append(f"| {ctx} | {ql} | {err:.1e} | {res[0][0]:.2f} | {res[0][1]:.0f} | {res[1][0]:.2f} | "
                      f"{res[1][1]:.0f} | {sdpa:.2f} |")
         say(lines[-1])
-        del cache, kk, qq
+        cache = kk = qq = None  # this context's pages and keys go before the next, longer one is allocated
         torch.cuda.empty_cache()
     return "\n".join(lines)
 
@@ -426,7 +423,7 @@ def main(argv=None) -> int:
         return _finish(args, {"prefill": True}, bench_prefill(dev))
 
     if args.profile:
-        from bonsai_vllm.core.kv.decode import auto_splits, decode
+        from bonsai_vllm.kv.kernels.decode import auto_splits, decode
 
         src = Path(args.profile)
         cfg = json.loads(src.read_text()) if src.exists() else json.loads(args.profile)

@@ -16,10 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the contention scenario is the test's
 
-from bonsai_vllm.core.tiny import write_tiny  # noqa: E402
-from bonsai_vllm.devserver import VllmServer  # noqa: E402
+from bonsai_vllm.testing.tiny import write_tiny  # noqa: E402
+from bonsai_vllm.testing.devserver import VllmServer  # noqa: E402
 from test_scheduler_served import Stream, run_contention, server_args  # noqa: E402
 
 LONG_PROMPT = " ".join(["The green fox sleeps under the white tree."] * 150)

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny models generated once per session, and the server-log hook.
 
-A test module that needs a vLLM server starts one module-scoped (see `bonsai_vllm.devserver`): vLLM takes about
+A test module that needs a vLLM server starts one module-scoped (see `bonsai_vllm.testing.devserver`): vLLM takes about
 a minute to start on this CPU, so tests share servers wherever their arguments allow.
 """
 
@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bonsai_vllm.devserver import RUNNING, VllmServer
-from compare import PLUGINS_OFF
+# The repository root, for the developer tools and benchmarks the tests drive (tools/, benchmarks/): they are
+# not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bonsai_vllm.testing.devserver import RUNNING, VllmServer  # noqa: E402
+from compare import PLUGINS_OFF  # noqa: E402
 
 
 # Enough AdamW steps (~2 min here) that the tiny model continues its corpus's counting line decisively,
@@ -26,7 +31,7 @@ TINY_TRAIN_STEPS = 80
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """The tiny dense Qwen3.5-hybrid checkpoint (seed 0), briefly trained on the built-in corpus."""
-    from bonsai_vllm.core.tiny import write_tiny
+    from bonsai_vllm.testing.tiny import write_tiny
 
     return write_tiny(tmp_path_factory.mktemp("tiny-dense"), seed=0, train_steps=TINY_TRAIN_STEPS)
 
@@ -40,8 +45,8 @@ def ternary_checkpoints(tiny_model, tmp_path_factory) -> dict[str, Path]:
     - `jitter`: `dense` with every matrix moved by about one bf16 ulp (the bf16 noise floor);
     - `broken`: `ternary` with the down_proj sign vector replaced (what a wrong rotation would serve).
     """
-    from bonsai_vllm.core.convert import convert_to_dense, convert_to_ternary
-    from bonsai_vllm.core.format import encode_signs
+    from bonsai_vllm.checkpoint.convert import convert_to_dense, convert_to_ternary
+    from bonsai_vllm.ternary.format import encode_signs
 
     root = tmp_path_factory.mktemp("ternary")
     ternary = convert_to_ternary(tiny_model, root / "ternary", seed=0, progress=False)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bonsai_vllm.core import allreduce as ref
-from bonsai_vllm.core.kernels import allreduce as kernels
+from bonsai_vllm.comm import reference as ref
+from bonsai_vllm.comm import kernels
 
 
 @pytest.fixture(scope="module")

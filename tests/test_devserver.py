@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from bonsai_vllm.devserver import VllmServer
+from bonsai_vllm.testing.devserver import VllmServer
 
 sys.path.insert(0, str(Path(__file__).parent / "core"))
 import interpreter_scope  # noqa: E402
@@ -42,6 +42,6 @@ def test_two_kernel_modules_restore_the_sessions_value(monkeypatch):
 
     monkeypatch.setattr(interpreter_scope, "ORIGINAL_INTERPRET", "0")
     interpreter_scope.enable()
-    interpreter_scope.restore(["bonsai_vllm.core.kernels.not_a_module"])
+    interpreter_scope.restore(["bonsai_vllm.ternary.kernels.not_a_module"])
     assert os.environ["TRITON_INTERPRET"] == "0"
 

@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from bonsai_vllm.devserver import VllmServer
+from bonsai_vllm.testing.devserver import VllmServer
 
 SCHEDULER = "bonsai_vllm.adapters.scheduler.AsyncPreemptScheduler"
 AGENT_TOKENS = 160

@@ -7,7 +7,7 @@ import openai
 import pytest
 import requests
 
-from bonsai_vllm.devserver import VllmServer
+from bonsai_vllm.testing.devserver import VllmServer
 
 PROMPT = "After Monday comes"
 

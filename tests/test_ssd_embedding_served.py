@@ -27,8 +27,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bonsai_vllm.core.embeddings import BIN_NAME, EMBED_TENSOR_NAMES, export_embedding_table
-from bonsai_vllm.devserver import ServerFailed, VllmServer
+from bonsai_vllm.embeddings import BIN_NAME, EMBED_TENSOR_NAMES, export_embedding_table
+from bonsai_vllm.testing.devserver import ServerFailed, VllmServer
 from compare import TEXTS, greedy_tokens, prompt_logprobs
 
 HOT = 64
@@ -153,7 +153,7 @@ def test_drafter_device_only_path_never_fails_on_cold_ids(small_export):
 
 def test_settings_errors_are_clear(small_export, tmp_path):
     from bonsai_vllm.adapters.embedding import install_ssd_embedding, read_settings
-    from bonsai_vllm.core.embeddings import EmbeddingFileError
+    from bonsai_vllm.embeddings import EmbeddingFileError
 
     _, directory = small_export
     assert install_ssd_embedding({}) is None  # off: nothing validated, nothing patched

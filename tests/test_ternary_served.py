@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from bonsai_vllm.devserver import VllmServer
+from bonsai_vllm.testing.devserver import VllmServer
 from compare import PLUGINS_OFF, greedy_tokens, logprob_difference, tolerance
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bonsai_vllm.core.allreduce import int8_all_reduce, pack
-from bonsai_vllm.devserver import VllmServer
+from bonsai_vllm.comm.reference import int8_all_reduce, pack
+from bonsai_vllm.testing.devserver import VllmServer
 from compare import PLUGINS_OFF, logprob_difference, tolerance
 
 TP2 = ["--tensor-parallel-size", "2"]

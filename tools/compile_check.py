@@ -1,6 +1,6 @@
 """Compile every Triton kernel at the 27B's shapes for the H200 (sm_90) and the RTX 50 series (sm_120), no GPU.
 
-    PYTHONPATH=plugin python -m bonsai_vllm.core.compile_check [--targets 90,120] [--json FILE]
+    PYTHONPATH=plugin python -m tools.compile_check [--targets 90,120] [--json FILE]
 
 Our users run the kernels on GeForce Blackwell cards that nobody here has. A Triton kernel compiles at its
 first launch, for the GPU it launches on; a configuration tuned on the H200 can fail there for lack of
@@ -92,7 +92,7 @@ def compile_only(capability: int, results: list[Compiled]):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from bonsai_vllm.core.kernels import _triton, linear
+    from bonsai_vllm.ternary.kernels import _triton, linear
 
     ptxas: dict[str, tuple[int, int]] = {}  # compiled kernel hash -> (registers, spilled bytes)
 
@@ -135,8 +135,8 @@ def compile_only(capability: int, results: list[Compiled]):
 
 def drive_ternary() -> None:
     """ternary_linear for every layer and dispatch class: rotation, GEMV, quantization, int8 GEMM, W8 expansion."""
-    from bonsai_vllm.core.kernels.int8mm import default_config, rescale
-    from bonsai_vllm.core.kernels.linear import prepare, ternary_linear
+    from bonsai_vllm.ternary.kernels.int8mm import default_config, rescale
+    from bonsai_vllm.ternary.kernels.linear import prepare, ternary_linear
 
     g = torch.Generator().manual_seed(0)
     for name, (k, n) in LAYERS.items():
@@ -153,7 +153,7 @@ def drive_ternary() -> None:
 
 
 def drive_allreduce() -> None:
-    from bonsai_vllm.core.kernels.allreduce import pack, unpack_sum
+    from bonsai_vllm.comm.kernels import pack, unpack_sum
 
     for rows in (128, 2048):
         buf = pack(torch.randn(rows, 5120).bfloat16())
@@ -163,10 +163,10 @@ def drive_allreduce() -> None:
 def drive_kv() -> None:
     """K3V2 (and K2V2) store and decode at head_dim 256: the whole model's 24/4 heads and a rank's 12/2,
     one and two query positions, and a prefill row's sub-rows."""
-    from bonsai_vllm.core.kv.decode import decode
-    from bonsai_vllm.core.kv.format import K2V2, K3V2
-    from bonsai_vllm.core.kv.paged import PagedK3V2
-    from bonsai_vllm.core.kv.store import store
+    from bonsai_vllm.kv.kernels.decode import decode
+    from bonsai_vllm.kv.format import K2V2, K3V2
+    from bonsai_vllm.kv.paged import PagedK3V2
+    from bonsai_vllm.kv.kernels.store import store
 
     bs = 2176  # the 27B's served K3V2 block at TP=2
     for fmt in (K3V2, K2V2):

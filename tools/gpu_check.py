@@ -1,7 +1,7 @@
 """`make gpu-check`: every kernel the served path can launch, through the entry points the adapters call, at
 the 27B's per-rank TP=2 shapes, against the references. One table; exit status 1 on any failure.
 
-    PYTHONPATH=plugin python -m bonsai_vllm.core.gpu_check [--out DIR] [--only linear,kv,allreduce,...]
+    PYTHONPATH=plugin python -m tools.gpu_check [--out DIR] [--only linear,kv,allreduce,...]
 
 Run it on a CUDA GPU after every change to a kernel or an adapter. What it calls, and who calls that:
 
@@ -14,7 +14,7 @@ Run it on a CUDA GPU after every change to a kernel or an adapter. What it calls
 |            | computes it, decode rows and MTP verify rows                              | float64                   |
 | kv prefill | PagedK3V2.prefill_row(use_kernels=True), the CUDA default                 | the chunked torch route   |
 | allreduce  | kernels.allreduce.tp_all_reduce, two ranks in two threads                 | the exact sum, its bound  |
-| hadamard   | kernels.hadamard.block_hadamard / quantize_per_token                      | core.hadamard (float32)   |
+| hadamard   | kernels.hadamard.block_hadamard / quantize_per_token                      | ternary.reference (float32)   |
 | embeddings | embeddings.lookup / lookup_device_only over a real-size export            | the dense table, bitwise  |
 
 Row counts are those the scheduler can produce with `.env.example`'s knobs: every decode batch from 1 to
@@ -139,11 +139,11 @@ class Checker:
 
     # ------------------------------------------------------------------------------------- linear
     def linear(self) -> None:
-        from bonsai_vllm.core.format import pack_ternary
-        from bonsai_vllm.core.hadamard import signed_block_hadamard
-        from bonsai_vllm.core.kernels import linear
-        from bonsai_vllm.core.partition import plan_partition
-        from bonsai_vllm.core.ternary import dequantize
+        from bonsai_vllm.ternary.format import pack_ternary
+        from bonsai_vllm.ternary.reference import signed_block_hadamard
+        from bonsai_vllm.ternary.kernels import linear
+        from bonsai_vllm.ternary.partition import plan_partition
+        from bonsai_vllm.ternary.reference import dequantize
 
         torch.backends.cuda.matmul.allow_tf32 = False
         print(f"[{self.elapsed():.0f} s] linear layers", flush=True)
@@ -170,7 +170,7 @@ class Checker:
             self.empty_cache()
 
     def _linear_case(self, name, m, k_full, n, signs, w_full, plans, tws, linear, signed_block_hadamard):
-        from bonsai_vllm.core.partition import rotate_partition
+        from bonsai_vllm.ternary.partition import rotate_partition
 
         x = self.randn(m, k_full, dtype=torch.bfloat16)
         y_ref = signed_block_hadamard(x.float(), signs, 1024) @ w_full.t()
@@ -200,8 +200,8 @@ class Checker:
 
     # ------------------------------------------------------------------------------------- K3V2
     def kv(self) -> None:
-        from bonsai_vllm.core.kv.format import K3V2
-        from bonsai_vllm.core.kv.paged import PagedK3V2
+        from bonsai_vllm.kv.format import K3V2
+        from bonsai_vllm.kv.paged import PagedK3V2
 
         sz = self.sz
         fmt = K3V2.with_(head_dim=sz.head_dim)
@@ -291,7 +291,7 @@ class Checker:
                  if bf_equal else "bf16 sinks/ring differ")
 
     def _kv_decode(self, g, cache, tables, lens, b: int, ql: int) -> None:
-        from bonsai_vllm.core.kv.decode import auto_splits
+        from bonsai_vllm.kv.kernels.decode import auto_splits
 
         sz = self.sz
         # b sequences long enough for ql queries: the longest always in, the rest drawn at random
@@ -343,8 +343,8 @@ class Checker:
 
     # ------------------------------------------------------------------------------------- all-reduce
     def allreduce(self) -> None:
-        from bonsai_vllm.core.allreduce import error_bound
-        from bonsai_vllm.core.kernels import allreduce
+        from bonsai_vllm.comm.reference import error_bound
+        from bonsai_vllm.comm import kernels as allreduce
 
         print(f"[{self.elapsed():.0f} s] all-reduce", flush=True)
         min_rows = 128  # BONSAI_AR_INT8_MIN_TOKENS' default (adapters/allreduce.py)
@@ -376,8 +376,8 @@ class Checker:
 
     # ------------------------------------------------------------------------------------- Hadamard
     def hadamard(self) -> None:
-        from bonsai_vllm.core.hadamard import signed_block_hadamard
-        from bonsai_vllm.core.kernels import hadamard
+        from bonsai_vllm.ternary.reference import signed_block_hadamard
+        from bonsai_vllm.ternary.kernels import hadamard
 
         print(f"[{self.elapsed():.0f} s] Hadamard", flush=True)
         for k in self.sz.hadamard_widths:
@@ -401,7 +401,7 @@ class Checker:
 
     # ------------------------------------------------------------------------------------- embeddings
     def embeddings(self) -> None:
-        from bonsai_vllm.core import embeddings as emb
+        from bonsai_vllm import embeddings as emb
 
         sz = self.sz
         print(f"[{self.elapsed():.0f} s] SSD embeddings ({sz.vocab} x {sz.hidden} bf16 export)", flush=True)

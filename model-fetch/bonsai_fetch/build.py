@@ -58,9 +58,9 @@ from bonsai_fetch.layout import (
     text_part,
     weight_name,
 )
-from bonsai_vllm.core.convert import atomic_directory
-from bonsai_vllm.core.embeddings import EMBED_TENSOR_NAMES, export_embedding_table
-from bonsai_vllm.core.official import (
+from bonsai_vllm.checkpoint.io import atomic_directory
+from bonsai_vllm.embeddings import EMBED_TENSOR_NAMES, export_embedding_table
+from bonsai_vllm.checkpoint.official import (
     OfficialPackError,
     convert_mlx_pack,
     pack_files_needed,
@@ -594,7 +594,6 @@ class Builder:
 
     def build(self, src: Sources, plan: Plan, keys: dict, existing: Existing | None,
               weights_dir: Path | None) -> None:
-        o = self.opts
         with atomic_directory(self.out, overwrite=True) as tmp:
             placed: dict[str, str] = {}  # relative path -> component
             reused_sha: dict[str, str] = {}

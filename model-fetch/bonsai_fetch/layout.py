@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bonsai_fetch import st
 from bonsai_fetch.errors import FetchError, IncompatibleError
-from bonsai_vllm.core.format import TERNARY_MODULES, PrismTernaryConfig
+from bonsai_vllm.ternary.format import TERNARY_MODULES, PrismTernaryConfig
 
 # Keys of a flat (text-only) config that describe the checkpoint, not the language model.
 _TOP_LEVEL_ONLY = ("architectures", "quantization_config", "quantization", "auto_map", "transformers_version",

@@ -8,7 +8,7 @@ The lookup (below the format; no vLLM here, `adapters/embedding.py` plugs it in)
 `ShardPlan` (which rows the device keeps), `build_hot_table` (the device table), `ColdRows` (the rest, read
 from the memory-mapped file) and `lookup` (bit for bit the dense table's rows for any ids);
 `lookup_device_only` for the MTP drafter; `verify_rows` to check an export against the checkpoint;
-`python -m bonsai_vllm.core.embeddings` times it (docs/ssd-embeddings.md).
+`python -m bonsai_vllm.embeddings` times it (docs/ssd-embeddings.md).
 
 Export format (written by model-fetch, read by the plugin), in one directory:
 - `embed_tokens.bin`: the full table, raw row-major, little-endian, no header;
@@ -322,12 +322,12 @@ def benchmark_lookup(vocab: int = 65536, hidden: int = 5120, hot_count: int = 16
         result = {"dense_s": best(lambda: torch.nn.functional.embedding(all_hot, table)),
                   "all_hot_s": best(lambda: lookup(all_hot, hot, plan.slot_of, cold)),
                   "cold_cached_s": best(lambda: lookup(all_cold, hot, plan.slot_of, cold))}
-        del cold, mapped
+        cold = mapped = None  # no mapping may stay alive for from_disk's fadvise to drop the pages
         result["cold_disk_s"] = from_disk()
         return result
 
 
-if __name__ == "__main__":  # python -m bonsai_vllm.core.embeddings [tokens ...]: the lookup's cost per token
+if __name__ == "__main__":  # python -m bonsai_vllm.embeddings [tokens ...]: the lookup's cost per token
     import sys
 
     for n in [int(a) for a in sys.argv[1:]] or [1, 16, 256]:

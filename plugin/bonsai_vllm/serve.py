@@ -9,7 +9,7 @@ priority scheduling with our preempting scheduler, prefix caching with xxhash at
 
 `bonsai-serve --check [--gpu-memory 12GiB]` prints the memory plan of one GPU (weights, runtime, KV pool in
 tokens for the chosen format, GDN state per sequence, how many sequences of MAX_MODEL_LEN fit) from the
-capacity model (core/kv/capacity.py) for the GPUs it finds or the size given, and exits 1 with the fixes
+capacity model (kv/capacity.py) for the GPUs it finds or the size given, and exits 1 with the fixes
 when vLLM would refuse to start (its pool must hold one request of MAX_MODEL_LEN). `bonsai-serve` runs the
 same check before starting vLLM, so a misfit fails in a second instead of after minutes of loading
 (BONSAI_SKIP_CHECK=1 skips it).
@@ -113,7 +113,7 @@ def detect_gpus() -> list[tuple[str, int]]:
 def preflight(env: dict[str, str], gpu_memory: int | None = None, out=sys.stdout) -> int:
     """Print the memory plan; 0 if vLLM will start with these settings, 1 if not (with the fixes), 2 if the
     GPUs cannot be known."""
-    from bonsai_vllm.core.kv import capacity
+    from bonsai_vllm.kv import capacity
 
     k = lambda name: knob(name, env)  # noqa: E731
     tp = int(k("TP"))

@@ -40,4 +40,4 @@ def dot_dtype():
 def require() -> None:
     if triton is None:
         raise RuntimeError("bonsai_vllm kernels: Triton is not installed; use the PyTorch reference path "
-                           "(bonsai_vllm.core.ternary, bonsai_vllm.core.kv.reference) or install triton")
+                           "(bonsai_vllm.ternary.reference, bonsai_vllm.kv.reference) or install triton")

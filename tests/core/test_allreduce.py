@@ -1,11 +1,11 @@
-"""The int8 all-reduce (core.allreduce) against the exact sum, on random and outlier-heavy payloads."""
+"""The int8 all-reduce (comm.reference) against the exact sum, on random and outlier-heavy payloads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bonsai_vllm.core.allreduce import dequantize_int8, error_bound, int8_all_reduce, pack, quantize_int8
+from bonsai_vllm.comm.reference import dequantize_int8, error_bound, int8_all_reduce, pack, quantize_int8
 
 
 def all_reduce_over(parts: list[torch.Tensor]) -> list[torch.Tensor]:

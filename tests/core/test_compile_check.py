@@ -1,5 +1,5 @@
 """Every Triton kernel compiles for sm_90 (H200) and sm_120 (RTX 50) at the 27B's shapes and fits both
-targets' shared-memory and register limits (bonsai_vllm.core.compile_check; no GPU: Triton's compiler and
+targets' shared-memory and register limits (tools.compile_check; no GPU: Triton's compiler and
 its bundled ptxas, under a stand-in driver that never launches). Run in a subprocess: the kernel test
 modules of this session import the kernels under Triton's interpreter."""
 
@@ -20,16 +20,17 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed: nothing to compile", allow_module_level=True)
 
-from bonsai_vllm.core.compile_check import SHARED_LIMIT, Compiled  # noqa: E402
+from tools.compile_check import SHARED_LIMIT, Compiled  # noqa: E402
 
-CORE = Path(__file__).resolve().parents[2] / "plugin" / "bonsai_vllm" / "core"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "plugin" / "bonsai_vllm"
 NOT_DISPATCHED = {"_gemv_rows_kernel"}  # timed by bench_decode, never launched by the dispatch
 
 
 def launchable_kernels() -> set[str]:
-    """Names of the @triton.jit functions the wrappers launch (by convention *_kernel) in the core's sources."""
+    """Names of the @triton.jit functions the wrappers launch (by convention *_kernel) in the package's sources."""
     names = set()
-    for path in CORE.rglob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         names |= set(re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (_\w+_kernel)\(", path.read_text()))
     return names
 
@@ -38,8 +39,8 @@ def launchable_kernels() -> set[str]:
 def compiled(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("compile") / "kernels.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "bonsai_vllm.core.compile_check", "--json", str(out)],
-                       capture_output=True, text=True, env=env, timeout=1200)
+    r = subprocess.run([sys.executable, "-m", "tools.compile_check", "--json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=1200, cwd=REPO)
     print(r.stdout[-6000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     return json.loads(out.read_text())

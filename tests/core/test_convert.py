@@ -1,4 +1,4 @@
-"""core/convert.py (`bonsai-convert`) on the tiny Qwen3.5-hybrid checkpoint, both directions."""
+"""checkpoint/convert.py (`bonsai-convert`) on the tiny Qwen3.5-hybrid checkpoint, both directions."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from bonsai_vllm.core import convert as convert_mod
-from bonsai_vllm.core import tiny as tiny_mod
-from bonsai_vllm.core.convert import convert_to_dense, convert_to_ternary, main, make_signs
-from bonsai_vllm.core.format import PrismTernaryConfig, check_module_tensors, decode_signs, is_ternary_module
-from bonsai_vllm.core.quantize import dense_from_ternary
+from bonsai_vllm.checkpoint import convert as convert_mod
+from bonsai_vllm.testing import tiny as tiny_mod
+from bonsai_vllm.checkpoint.convert import convert_to_dense, convert_to_ternary, main, make_signs
+from bonsai_vllm.ternary.format import PrismTernaryConfig, check_module_tensors, decode_signs, is_ternary_module
+from bonsai_vllm.ternary.quantize import dense_from_ternary
 
 FUSED = {  # vLLM fused name -> HF parts in row order, the spec of docs/format.md
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

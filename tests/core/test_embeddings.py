@@ -1,4 +1,4 @@
-"""The SSD embedding's lookup (`core.embeddings`), without vLLM: hot rows on the "device", cold rows from the
+"""The SSD embedding's lookup (`embeddings`), without vLLM: hot rows on the "device", cold rows from the
 memory-mapped export, compared bit for bit with the dense table for random mixes of ids, per vocabulary shard
 exactly as vLLM's VocabParallelEmbedding hands them over (local ids; at TP>1 other shards' ids masked to 0).
 """
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bonsai_vllm.core.embeddings import (
+from bonsai_vllm.embeddings import (
     BIN_NAME,
     COLD,
     META_NAME,

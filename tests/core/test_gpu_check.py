@@ -22,7 +22,7 @@ def _run(tmp_path, code: str) -> subprocess.CompletedProcess:
 
 
 def test_every_section_runs_and_passes(tmp_path):
-    p = _run(tmp_path, "import sys; from bonsai_vllm.core import gpu_check; "
+    p = _run(tmp_path, "import sys; from tools import gpu_check; "
                        f"sys.exit(gpu_check.main(['--smoke', '--out', {str(tmp_path)!r}]))")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     cases = json.loads((tmp_path / "gpu-check.json").read_text())["cases"]
@@ -38,9 +38,9 @@ def test_every_section_runs_and_passes(tmp_path):
 
 def test_a_wrong_kernel_fails_the_check(tmp_path):
     # the GEMV's output 3 % off: every GEMV case must fail, and the exit status say so
-    code = ("import sys; from bonsai_vllm.core.kernels import gemv; orig = gemv.ternary_gemv; "
+    code = ("import sys; from bonsai_vllm.ternary.kernels import gemv; orig = gemv.ternary_gemv; "
             "gemv.ternary_gemv = lambda *a, **k: orig(*a, **k) * 1.03; "
-            "from bonsai_vllm.core import gpu_check; "
+            "from tools import gpu_check; "
             f"sys.exit(gpu_check.main(['--smoke', '--only', 'linear', '--out', {str(tmp_path)!r}]))")
     p = _run(tmp_path, code)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""core/hadamard.py against scipy's Sylvester Hadamard matrix (an independent construction)."""
+"""ternary/reference.py against scipy's Sylvester Hadamard matrix (an independent construction)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from bonsai_vllm.core.hadamard import fwht, hadamard_matrix, signed_block_hadamard
+from bonsai_vllm.ternary.reference import fwht, hadamard_matrix, signed_block_hadamard
 
 SIZES = [16, 32, 64, 128, 256, 512, 1024]
 

@@ -27,11 +27,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernels are optional, the reference is used")
 
-from bonsai_vllm.core import allreduce as core_allreduce  # noqa: E402
-from bonsai_vllm.core.format import pack_ternary  # noqa: E402
-from bonsai_vllm.core.hadamard import signed_block_hadamard  # noqa: E402
-from bonsai_vllm.core.kernels import allreduce, gemv, hadamard, int8mm, linear  # noqa: E402
-from bonsai_vllm.core.ternary import (  # noqa: E402
+from bonsai_vllm.comm import reference as core_allreduce  # noqa: E402
+from bonsai_vllm.ternary.format import pack_ternary  # noqa: E402
+from bonsai_vllm.ternary.reference import signed_block_hadamard  # noqa: E402
+from bonsai_vllm.comm import kernels as allreduce  # noqa: E402
+from bonsai_vllm.ternary.kernels import gemv, hadamard, int8mm, linear  # noqa: E402
+from bonsai_vllm.ternary.reference import (  # noqa: E402
     dequantize,
     int8_decompose,
     ternary_linear_int8_ref,
@@ -41,11 +42,12 @@ from bonsai_vllm.core.ternary import (  # noqa: E402
 DEV = "cuda" if GPU else "cpu"
 BF16_TOL = 3e-3 if GPU else 6e-3  # relative Frobenius error of a bf16 output (see the module docstring)
 DOT_TOL = 5e-3 if GPU else 8e-3  # the GEMV's tensor-core path: bf16 x', weight × scale and output
-_JIT_MODULES = ("hadamard", "gemv", "int8mm", "allreduce")  # the modules that hold @triton.jit functions
+# the modules that hold @triton.jit functions
+_JIT_MODULES = [f"bonsai_vllm.ternary.kernels.{name}" for name in ("hadamard", "gemv", "int8mm")] + ["bonsai_vllm.comm.kernels"]
 
 
 # decorated as interpreted functions: a later import must redo them
-_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.core.kernels.{name}" for name in _JIT_MODULES])
+_interpreter = interpreter_scope.module_fixture(_JIT_MODULES)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -102,7 +104,7 @@ def test_gemv_order_matches_reference(k):
 
 
 def test_block_hadamard_refuses_cut_blocks():
-    with pytest.raises(ValueError, match="core.partition"):
+    with pytest.raises(ValueError, match="ternary.partition"):
         hadamard.block_hadamard(_x(1, 1536, 0), torch.ones(1536, device=DEV))
 
 
@@ -333,13 +335,13 @@ def test_ternary_linear_reference_path_without_triton(monkeypatch):
 def test_core_kernels_import_without_triton_and_without_vllm():
     code = ("import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
             "import torch\n"
-            "from bonsai_vllm.core.kernels import prepare, ternary_linear, usable\n"
-            "from bonsai_vllm.core.format import pack_ternary\n"
+            "from bonsai_vllm.ternary.kernels import prepare, ternary_linear, usable\n"
+            "from bonsai_vllm.ternary.format import pack_ternary\n"
             "p = pack_ternary(torch.randint(-1, 2, (8, 1024), dtype=torch.int8))\n"
             "tw = prepare(p, torch.ones(8, 8, dtype=torch.float16), torch.ones(1024))\n"
             "assert not usable(p)\n"
             "print(ternary_linear(torch.randn(2, 1024), tw).shape)\n"
-            "assert 'vllm' not in sys.modules, 'core.kernels imported vllm'\n")
+            "assert 'vllm' not in sys.modules, 'ternary.kernels imported vllm'\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -351,7 +353,7 @@ def test_core_kernels_import_without_triton_and_without_vllm():
 
 @pytest.mark.skipif(not GPU, reason="the 27B's per-rank shapes need a GPU (the interpreter would take hours)")
 def test_real_shapes_on_gpu():
-    from bonsai_vllm.core import bench_kernels
+    from benchmarks import kernels as bench_kernels
 
     failures = bench_kernels.run_checks(torch.device("cuda"), verbose=False)
     assert not failures, failures

@@ -32,10 +32,10 @@ import math
 import pytest
 import torch
 
-from bonsai_vllm.core.kv import reference as ref
-from bonsai_vllm.core.kv.cache import LayerKVCache
-from bonsai_vllm.core.kv.format import K2V2, K3V2
-from bonsai_vllm.core.kv.rotation import KVRotation
+from bonsai_vllm.kv import reference as ref
+from bonsai_vllm.kv.cache import LayerKVCache
+from bonsai_vllm.kv.format import K2V2, K3V2
+from bonsai_vllm.kv.rotation import KVRotation
 
 HQ, HKV, D, N = 24, 4, 256, 1024
 SM = D ** -0.5

@@ -1,4 +1,4 @@
-"""core/kv/calibration.py: samples recorded per rank, joined into the model's heads, fitted into the rotation
+"""kv/calibration.py: samples recorded per rank, joined into the model's heads, fitted into the rotation
 file that the vLLM backend reads (KVRotation.from_file with a rank's head slice). The served round trip
 (record in a running vLLM, calibrate, serve with the file) is in tests/kv/test_k3v2_served.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bonsai_vllm.core.kv import calibration as cal
-from bonsai_vllm.core.kv.rotation import KVRotation
+from bonsai_vllm.kv import calibration as cal
+from bonsai_vllm.kv.rotation import KVRotation
 
 D = 64
 

@@ -3,7 +3,7 @@
 Without a GPU the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set here before the kernel
 modules are imported) at small shapes: 24 query / 4 KV heads exactly (the GQA 6:1 trap), head_dim 256,
 a few hundred tokens over shuffled pages. With a GPU the same tests run compiled; the real shapes
-(8k-80k tokens, the TP=2 rank's 12 / 2 heads) are checked by `python -m bonsai_vllm.core.bench_kv`.
+(8k-80k tokens, the TP=2 rank's 12 / 2 heads) are checked by `python -m benchmarks.kv`.
 Outputs are poisoned (NaN) first and must be fully written.
 """
 
@@ -21,12 +21,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernels are optional, the reference is used")
 
-from bonsai_vllm.core.kv import decode as dec  # noqa: E402
-from bonsai_vllm.core.kv import reference as ref  # noqa: E402
-from bonsai_vllm.core.kv import store as st  # noqa: E402
-from bonsai_vllm.core.kv.cache import LayerKVCache  # noqa: E402
-from bonsai_vllm.core.kv.format import K2V2, K3V2  # noqa: E402
-from bonsai_vllm.core.kv.rotation import KVRotation  # noqa: E402
+from bonsai_vllm.kv import decode as dec  # noqa: E402
+from bonsai_vllm.kv import reference as ref  # noqa: E402
+from bonsai_vllm.kv import store as st  # noqa: E402
+from bonsai_vllm.kv.cache import LayerKVCache  # noqa: E402
+from bonsai_vllm.kv.format import K2V2, K3V2  # noqa: E402
+from bonsai_vllm.kv.rotation import KVRotation  # noqa: E402
 from kv_pages import shuffled_block_table  # noqa: E402
 
 DEV = "cuda" if GPU else "cpu"
@@ -35,7 +35,7 @@ SM = D ** -0.5
 TOL = 2e-3  # decode: fp16 rounding of the scaled query (measured ~4e-4)
 
 
-_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")])
+_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.kv.kernels.{name}" for name in ("store", "decode")])
 
 
 def _pages(fmt, hkv, lens, bs, seed, extra_blocks=3):

@@ -1,4 +1,4 @@
-"""core/kv/paged.py (K3V2 pages with bf16 sinks + ring, what the vLLM backend stores) with the Triton kernels
+"""kv/paged.py (K3V2 pages with bf16 sinks + ring, what the vLLM backend stores) with the Triton kernels
 against the reference path: the same pages written by the store kernel and by store_ref, and decode/verify
 rows through the grouped decode kernel (which skips the sinks' page tokens with q_start) against
 decode_ref. Without a GPU through Triton's interpreter (set before the kernels are imported), 24 query /
@@ -12,7 +12,7 @@ import torch
 import interpreter_scope
 
 GPU = torch.cuda.is_available()
-KERNELS = [f"bonsai_vllm.core.kv.{name}" for name in ("store", "decode")]
+KERNELS = [f"bonsai_vllm.kv.{name}" for name in ("store", "decode")]
 if not GPU:  # before Triton is first imported: it reads the switch then, not per kernel
     interpreter_scope.enable()
 
@@ -20,9 +20,9 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernels are optional, the reference is used")
 
-from bonsai_vllm.core.kv import reference as ref  # noqa: E402
-from bonsai_vllm.core.kv.format import K3V2  # noqa: E402
-from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes  # noqa: E402
+from bonsai_vllm.kv import reference as ref  # noqa: E402
+from bonsai_vllm.kv.format import K3V2  # noqa: E402
+from bonsai_vllm.kv.paged import PagedK3V2, content_bytes  # noqa: E402
 from kv_pages import shuffled_block_table  # noqa: E402
 
 DEV = "cuda" if GPU else "cpu"
@@ -92,7 +92,7 @@ def test_decode_kernel_matches_reference_with_sinks_skipped(ql):
     assert err < TOL, err
     # q_start matters: with the sinks' page tokens counted twice the kernel misses the reference
     win_k, win_v, n_win, n_quant = g.window_buffers(cache, table, lens)
-    from bonsai_vllm.core.kv.decode import decode
+    from bonsai_vllm.kv.kernels.decode import decode
 
     qpages, _ = g.views(cache)
     twice = decode(q.contiguous(), qpages, table, n_quant, win_k, win_v, n_win, FMT, BS, D ** -0.5, num_splits=3,
@@ -232,7 +232,7 @@ def test_decode_kernel_long_split_keeps_small_contributions(ql):
 def test_prefill_row_kernel_long_context_keeps_small_contributions(monkeypatch):
     # A 512-token chunk at the real shape is 256 sub-rows: auto_splits gives them one split each. Here a few
     # sub-rows would get many short splits, so the split count is pinned to what the real chunk gets.
-    from bonsai_vllm.core.kv import decode as decode_module
+    from bonsai_vllm.kv import decode as decode_module
 
     monkeypatch.setattr(decode_module, "auto_splits", lambda *a, **k: LONG_SPLITS)
     n = 32768 + 6

@@ -1,4 +1,4 @@
-"""TP split of the block Hadamard rotation (core.partition): TP=2 equals TP=1, and a test that can fail.
+"""TP split of the block Hadamard rotation (ternary.partition): TP=2 equals TP=1, and a test that can fail.
 
 Two ranks run in two threads of this process; their exchange is a real rendezvous (each waits for the
 other's half), so a rank that reads the wrong half or combines with the wrong sign shows up.
@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from bonsai_vllm.core.partition import plan_partition, rotate_partition
-from bonsai_vllm.core.quantize import quantize_dense
-from bonsai_vllm.core.ternary import dequantize, ternary_linear_ref
+from bonsai_vllm.ternary.partition import plan_partition, rotate_partition
+from bonsai_vllm.ternary.quantize import quantize_dense
+from bonsai_vllm.ternary.reference import dequantize, ternary_linear_ref
 
 BLOCK = 1024
 

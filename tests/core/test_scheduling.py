@@ -1,8 +1,8 @@
-"""The scheduling policy (core.scheduling): who is preempted, and the prefill budget."""
+"""The scheduling policy (scheduling): who is preempted, and the prefill budget."""
 
 from __future__ import annotations
 
-from bonsai_vllm.core.scheduling import Job, PolicyConfig, choose_victims, prefill_budget
+from bonsai_vllm.scheduling import Job, PolicyConfig, choose_victims, prefill_budget
 
 
 def jobs(*specs):

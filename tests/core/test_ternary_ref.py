@@ -1,4 +1,4 @@
-"""core/ternary.py and core/quantize.py: the reference layer, the int8 prefill decomposition, quantization.
+"""ternary/reference.py and ternary/quantize.py: the reference layer, the int8 prefill decomposition, quantization.
 
 The dense references here are built from scipy's Hadamard matrix, not from the code under test.
 """
@@ -10,10 +10,10 @@ import pytest
 import scipy.linalg
 import torch
 
-from bonsai_vllm.core import ternary
-from bonsai_vllm.core.format import pack_ternary, unpack_ternary
-from bonsai_vllm.core.quantize import dense_from_ternary, quantize_dense
-from bonsai_vllm.core.ternary import dequantize, int8_decompose, ternary_linear_int8_ref, ternary_linear_ref
+from bonsai_vllm.ternary import reference as ternary
+from bonsai_vllm.ternary.format import pack_ternary, unpack_ternary
+from bonsai_vllm.ternary.quantize import dense_from_ternary, quantize_dense
+from bonsai_vllm.ternary.reference import dequantize, int8_decompose, ternary_linear_int8_ref, ternary_linear_ref
 
 G, B = 128, 1024  # group size, Hadamard block
 

@@ -69,9 +69,9 @@ class Fixture:
 
 def build_fixture(root: Path) -> Fixture:
     """Write the tiny model and every fixture repo under `root`."""
-    from bonsai_vllm.core.convert import convert_to_ternary
-    from bonsai_vllm.core.official import write_mlx_pack
-    from bonsai_vllm.core.tiny import TinyVision, make_mtp_tensors, write_tiny
+    from bonsai_vllm.checkpoint.convert import convert_to_ternary
+    from bonsai_vllm.checkpoint.official import write_mlx_pack
+    from bonsai_vllm.testing.tiny import TinyVision, make_mtp_tensors, write_tiny
     from transformers import Qwen3_5TextConfig
 
     dense = write_tiny(root / "dense", seed=0, mtp=True, vision=TinyVision())

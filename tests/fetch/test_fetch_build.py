@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from bonsai_fetch.build import MANIFEST, MARKER, tensors_of
-from bonsai_vllm.core.embeddings import open_table
-from bonsai_vllm.core.official import convert_mlx_pack
+from bonsai_vllm.embeddings import open_table
+from bonsai_vllm.checkpoint.official import convert_mlx_pack
 from fetch_repos import REPO_BASE, REPO_MTP, REPO_OFFICIAL, REPO_TEXT_ONLY, REPO_VLLM
 
 UPLOAD_SHARDS = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
@@ -69,7 +69,7 @@ def test_full_fetch_and_rewrite(full, fixture_models):
     assert index["weight_map"]["mtp.fc.weight"] == "mtp.safetensors"
     assert index["weight_map"]["model.visual.merger.linear_fc2.weight"] == "visual.safetensors"
 
-    # The SSD embedding export: THE format of core/embeddings.py, hot rows ranked by the counts file.
+    # The SSD embedding export: THE format of embeddings.py, hot rows ranked by the counts file.
     meta, table = open_table(out / "embed_ssd")
     assert torch.equal(table, ref["model.language_model.embed_tokens.weight"])
     counts = {int(k): v for k, v in json.loads(fixture_models.counts.read_text()).items()}

@@ -1,5 +1,5 @@
 """The official-pack reader refuses a pack that breaks one of its layout rules, naming the rule, instead of
-mis-reading it (core/official.py; the happy path is in test_fetch_build.py)."""
+mis-reading it (checkpoint/official.py; the happy path is in test_fetch_build.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bonsai_vllm.core.format import decode_signs, encode_signs
-from bonsai_vllm.core.official import OfficialPackError, convert_mlx_pack, hf_name, mlx_name
+from bonsai_vllm.ternary.format import decode_signs, encode_signs
+from bonsai_vllm.checkpoint.official import OfficialPackError, convert_mlx_pack, hf_name, mlx_name
 
 MODULE = "language_model.model.layers.0.mlp.gate_proj"
 

@@ -11,7 +11,7 @@ import pytest
 import requests
 from PIL import Image
 
-from bonsai_vllm.devserver import VllmServer
+from bonsai_vllm.testing.devserver import VllmServer
 from fetch_repos import REPO_MTP
 
 PROMPT = "What colour is this picture?"

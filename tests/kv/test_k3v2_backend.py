@@ -38,8 +38,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from bonsai_vllm.adapters.k3v2_attention import K3V2AttentionBackend, K3V2AttentionImpl  # noqa: E402
-from bonsai_vllm.core.kv import reference as ref  # noqa: E402
-from bonsai_vllm.core.kv.rotation import KVRotation  # noqa: E402
+from bonsai_vllm.kv import reference as ref  # noqa: E402
+from bonsai_vllm.kv.rotation import KVRotation  # noqa: E402
 
 HQ, HKV, D = 24, 4, 256
 BS = 512  # page: 512 × 200 B; bf16 area 512 × 32 B = 16 bf16 token slots = 4 sinks + a ring of 12

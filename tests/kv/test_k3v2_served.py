@@ -29,7 +29,7 @@ import sys
 import pytest
 import requests
 
-from bonsai_vllm.devserver import ServerFailed, VllmServer
+from bonsai_vllm.testing.devserver import ServerFailed, VllmServer
 from compare import TEXTS, greedy_tokens, prompt_logprobs
 
 vllm = pytest.importorskip("vllm")
@@ -79,7 +79,7 @@ def runs(tiny_model, tmp_path_factory) -> dict:
     for name, args, env in (("auto", COMMON, None), ("k3v2", COMMON + K3V2, capture_env)):
         with VllmServer(tiny_model, args, env=env) as srv:
             out[name] = _measure(srv)
-    cli = subprocess.run([sys.executable, "-m", "bonsai_vllm.core.kv.calibration", str(capture),
+    cli = subprocess.run([sys.executable, "-m", "bonsai_vllm.kv.calibration", str(capture),
                           str(out["rotation"])], capture_output=True, text=True, timeout=300)
     out["calibrate"] = cli
     if cli.returncode == 0:
@@ -174,7 +174,7 @@ def tiny_mtp(tiny_model, tmp_path_factory):
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from bonsai_vllm.core.tiny import make_mtp_tensors
+    from bonsai_vllm.testing.tiny import make_mtp_tensors
 
     out = tmp_path_factory.mktemp("tiny-mtp") / "model"
     shutil.copytree(tiny_model, out)

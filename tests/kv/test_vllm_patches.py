@@ -151,8 +151,8 @@ def test_apply_check_reapply_and_behaviour(stock):
     assert out["cpu_k3v2_unregistered"].startswith("ValueError") and "bonsai_vllm" in out["cpu_k3v2_unregistered"]
     assert out["cpu_k3v2"] == "bonsai_vllm.adapters.k3v2_attention.K3V2AttentionBackend"
 
-    from bonsai_vllm.core.kv.format import K3V2
-    from bonsai_vllm.core.kv.paged import content_bytes
+    from bonsai_vllm.kv.format import K3V2
+    from bonsai_vllm.kv.paged import content_bytes
 
     # the page vLLM allocates per token per KV head: the core format's 168 B + the bf16 sinks/ring share
     assert K3V2.slot_bytes == 168

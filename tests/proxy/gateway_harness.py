@@ -12,7 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import requests
+
+from bonsai_vllm.testing.devserver import wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_LOCAL = REPO / "proxy" / "run-local.sh"
@@ -103,18 +104,11 @@ class Gateway:
         self._stderr = open(self.stderr_path, "ab")
         self.proc = subprocess.Popen(run_local_command(), env=self.env, stdout=self._stderr,
                                      stderr=self._stderr, start_new_session=True)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise GatewayFailed(f"gateway exited with {self.proc.returncode}:\n{self.stderr()}")
-            try:
-                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.05)
+        why = wait_until_healthy(self.proc, self.url + "/healthz", 10, interval=0.05)
+        if why is None:
+            return self
         self.stop()
-        raise GatewayFailed(f"gateway did not answer /healthz in 10 s:\n{self.stderr()}")
+        raise GatewayFailed(f"gateway {why}:\n{self.stderr()}")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from bonsai_vllm.devserver import VllmServer
+from bonsai_vllm.testing.devserver import VllmServer
 from gateway_harness import Gateway, auth, key, keys_text
 
 UPSTREAM_KEY = "vllm-upstream-key-for-tests"

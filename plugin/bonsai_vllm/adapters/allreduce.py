@@ -1,4 +1,4 @@
-"""Hook the int8 all-reduce (`core.kernels.allreduce.tp_all_reduce`) into vLLM's tensor-parallel group.
+"""Hook the int8 all-reduce (`comm.kernels.tp_all_reduce`) into vLLM's tensor-parallel group.
 
 Every row-parallel layer's all-reduce ends in `GroupCoordinator._all_reduce_out_place` — on GPU through
 the `vllm::all_reduce` custom op, on CPU directly — whatever name the caller imported
@@ -20,7 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from bonsai_vllm.core.kernels.allreduce import tp_all_reduce
+from bonsai_vllm.comm.kernels import tp_all_reduce
 
 logger = logging.getLogger("vllm.bonsai")
 

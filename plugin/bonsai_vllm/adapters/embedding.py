@@ -1,6 +1,6 @@
 """The SSD embedding in vLLM 0.32: the main Qwen3.5 model's `embed_tokens` keeps only hot rows on the device.
 
-The lookup itself is `core.embeddings` (vLLM-free); this file plugs it into vLLM (report 002 §4.3,
+The lookup itself is `embeddings` (vLLM-free); this file plugs it into vLLM (report 002 §4.3,
 docs/ssd-embeddings.md):
 
 - **Where.** vLLM 0.32's `Qwen3_5Model.__init__` builds `VocabParallelEmbedding(vocab, hidden)` with no
@@ -51,7 +51,7 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from bonsai_vllm.core.embeddings import (
+from bonsai_vllm.embeddings import (
     ColdRows,
     EmbeddingFileError,
     EmbeddingMeta,

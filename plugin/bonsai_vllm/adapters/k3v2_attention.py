@@ -1,4 +1,4 @@
-"""vLLM 0.32 attention backend for `--kv-cache-dtype k3v2`: thin glue around core/kv/paged.py.
+"""vLLM 0.32 attention backend for `--kv-cache-dtype k3v2`: thin glue around kv/paged.py.
 
 Selected through the patched platform lists (plugin/patches/0004, 0005) under the name BONSAI_K3V2,
 which `register()` adds with vLLM's own hook (registry.register_backend). What it does per layer:
@@ -6,7 +6,7 @@ which `register()` adds with vLLM's own hook (registry.register_backend). What i
 - `customize_spec`: pages of `paged.content_bytes` per token per KV head (200 B at head_dim 256: 168 B of
   packed K3V2 + the bf16 sinks/ring share), so vLLM's hybrid block-size alignment, pool sizing and
   allocation all see the real page. Layout LBHNC ([block, head, token, byte]): one (block, head) page is
-  contiguous, as core/kv's kernels read it. Kernel block = the whole block (MultipleOf(128)): pages are
+  contiguous, as kv/kernels read it. Kernel block = the whole block (MultipleOf(128)): pages are
   never split, since each carries its own bf16 area.
 - `do_kv_cache_update`: rotate K/V (per-layer randomized Hadamard, or the calibrated file named by
   BONSAI_KV_ROTATION, this rank's KV heads of it), write packed slots (Triton store on CUDA, reference on
@@ -18,7 +18,7 @@ which `register()` adds with vLLM's own hook (registry.register_backend). What i
   or with BONSAI_K3V2_PREFILL_KERNEL=0, dequantized chunks in torch). Both follow one rule (see paged.py), so a
   verify row is never computed as a prefill that forgets the cached context.
 - BONSAI_KV_CAPTURE=DIR: every layer also records the post-RoPE q/k/v of the first
-  BONSAI_KV_CAPTURE_TOKENS tokens it sees (core/kv/calibration.py), for `bonsai-kv-calibrate`.
+  BONSAI_KV_CAPTURE_TOKENS tokens it sees (kv/calibration.py), for `bonsai-kv-calibrate`.
 
 Not yet: CUDA graphs (the builder says NEVER: attention runs eagerly between piecewise graphs), a prefill
 kernel of its own (the decode kernel reads the context once per sub-row of 2 queries).
@@ -49,11 +49,11 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from bonsai_vllm.core.kv.calibration import DEFAULT_TOKENS, SampleRecorder
-from bonsai_vllm.core.kv.decode import auto_splits
-from bonsai_vllm.core.kv.format import K3V2, KVFormat
-from bonsai_vllm.core.kv.paged import PagedK3V2, content_bytes
-from bonsai_vllm.core.kv.rotation import KVRotation
+from bonsai_vllm.kv.calibration import DEFAULT_TOKENS, SampleRecorder
+from bonsai_vllm.kv.kernels.decode import auto_splits
+from bonsai_vllm.kv.format import K3V2, KVFormat
+from bonsai_vllm.kv.paged import PagedK3V2, content_bytes
+from bonsai_vllm.kv.rotation import KVRotation
 
 NAME = "BONSAI_K3V2"
 SPEC_GUARD = 4  # oldest ring slots never trusted (paged.py): covers up to 4 speculative tokens
@@ -278,7 +278,7 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
     def use_kernels(t: torch.Tensor) -> bool:
         if not t.is_cuda:
             return False
-        from bonsai_vllm.core.kernels._triton import triton
+        from bonsai_vllm.triton_runtime import triton
 
         return triton is not None
 

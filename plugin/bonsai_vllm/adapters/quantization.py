@@ -1,14 +1,14 @@
 """`prism_ternary` in vLLM 0.32: the quantization config and the ternary linear method.
 
-The checkpoint format is read by `bonsai_vllm.core.format`; the maths is `bonsai_vllm.core.ternary` (and,
-on GPU, the kernels of `bonsai_vllm.core.kernels`). This file only plugs them into vLLM's layer classes:
+The checkpoint format is read by `bonsai_vllm.ternary.format`; the maths is `bonsai_vllm.ternary.reference` (and,
+on GPU, the kernels of `bonsai_vllm.ternary.kernels`). This file only plugs them into vLLM's layer classes:
 
-- which modules are ternary (`get_quant_method`): the fused vLLM names of `core.format.TERNARY_MODULES`,
+- which modules are ternary (`get_quant_method`): the fused vLLM names of `ternary.format.TERNARY_MODULES`,
   not under the MTP drafter (its `mtp.*` tensors are bf16 in the published checkpoint);
 - the parameters each ternary layer owns: `weight` int32 [out, in/16] (16 two-bit codes per word, packed
   along the input) and `scales` fp16 [out, in/128], both sharded by vLLM's own loaders;
-- the forward: rotate this rank's input slice (`core.partition`, exchanging half blocks at TP=2), then
-  multiply by W' — `core.kernels.ternary_linear`, which runs the Triton kernels on CUDA and the reference
+- the forward: rotate this rank's input slice (`ternary.partition`, exchanging half blocks at TP=2), then
+  multiply by W' — `ternary.kernels.ternary_linear`, which runs the Triton kernels on CUDA and the reference
   maths elsewhere, behind an opaque custom op so torch.compile does not trace into kernel dispatch.
 """
 
@@ -30,9 +30,9 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 from vllm.model_executor.parameter import GroupQuantScaleParameter, PackedvLLMParameter
 
-from bonsai_vllm.core import format as fmt
-from bonsai_vllm.core.kernels.linear import TernaryWeights, prepare, ternary_linear
-from bonsai_vllm.core.partition import plan_partition, rotate_partition
+from bonsai_vllm.ternary import format as fmt
+from bonsai_vllm.ternary.kernels.linear import TernaryWeights, prepare, ternary_linear
+from bonsai_vllm.ternary.partition import plan_partition, rotate_partition
 
 CODES_PER_WORD = 16  # 2-bit codes in one int32
 

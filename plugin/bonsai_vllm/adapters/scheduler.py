@@ -12,7 +12,7 @@ subclass turns async scheduling off). Before each step:
 2. Prefill budget: while any request decodes, at most 256 prefill tokens per step in total; when nobody
    decodes, chunks of up to 512 tokens per request.
 
-The decisions are `bonsai_vllm.core.scheduling`; this file applies them to vLLM's state. Knobs:
+The decisions are `bonsai_vllm.scheduling`; this file applies them to vLLM's state. Knobs:
 `BONSAI_PRIORITY_PREEMPT=0` (stock behaviour), `BONSAI_PREFILL_BUDGET_DECODING`,
 `BONSAI_PREFILL_CHUNK_IDLE` (0 disables the budget), `BONSAI_PREEMPT_COOLDOWN`, and
 `BONSAI_SCHED_TRACE=/path` — one JSON line per step (tokens scheduled, prefill tokens, preemptions).
@@ -30,7 +30,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from bonsai_vllm.core.scheduling import Job, PolicyConfig, choose_victims, prefill_budget
+from bonsai_vllm.scheduling import Job, PolicyConfig, choose_victims, prefill_budget
 
 logger = logging.getLogger("vllm.bonsai")
 

@@ -5,7 +5,7 @@ To ternary (default): HF module weights are fused into vLLM's names by concatena
     mlp.{gate_proj, up_proj}                -> mlp.gate_up_proj
     linear_attn.{in_proj_qkv, in_proj_z}    -> linear_attn.in_proj_qkvz
 and self_attn.o_proj, mlp.down_proj, linear_attn.out_proj and the top-level lm_head keep their names.
-Each becomes `<prefix>.weight` int32 [out, in/16] + `<prefix>.scales` fp16 [out, in/128] (core/quantize.py);
+Each becomes `<prefix>.weight` int32 [out, in/16] + `<prefix>.scales` fp16 [out, in/128] (ternary/quantize.py);
 everything else (embed_tokens, in_proj_a/b, conv1d, A_log, dt_bias, norms, mtp.*, model.visual.*) is
 copied unchanged. One random ±1 sign vector per distinct input width goes into config.json's
 quantization_config.
@@ -22,27 +22,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import re
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from bonsai_vllm.core.format import QUANT_METHOD, PrismTernaryConfig, check_module_tensors, encode_signs
-from bonsai_vllm.core.quantize import dense_from_ternary, quantize_dense
+from bonsai_vllm.checkpoint.io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardWriter,
+    SourceCheckpoint,
+    atomic_directory,
+    copy_side_files,
+    parse_size,
+    read_config,
+    run_cli,
+    write_config,
+)
+from bonsai_vllm.ternary.format import QUANT_METHOD, PrismTernaryConfig, check_module_tensors, encode_signs
+from bonsai_vllm.ternary.quantize import dense_from_ternary, quantize_dense
 
 GROUP_SIZE = 128
 HADAMARD_BLOCK = 1024
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 # (parent module, fused vLLM name) -> HF part names, in the row order of the fused weight.
 FUSIONS: dict[tuple[str, str], tuple[str, ...]] = {
@@ -54,9 +56,6 @@ FUSIONS: dict[tuple[str, str], tuple[str, ...]] = {
 UNFUSED: frozenset[tuple[str, str]] = frozenset(
     {("self_attn", "o_proj"), ("mlp", "down_proj"), ("linear_attn", "out_proj")})
 _PART_TO_FUSED = {(parent, part): fused for (parent, fused), parts in FUSIONS.items() for part in parts}
-
-# Files that are weights (never copied: the output's weights are ours).
-_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|gguf|h5|msgpack)$|.*\.index\.json$")
 
 
 # --------------------------------------------------------------------------------------------- naming
@@ -110,136 +109,6 @@ def unfuse_sizes(fused: str, tcfg: dict) -> tuple[tuple[str, int], ...] | None:
         value_dim = tcfg["linear_num_value_heads"] * tcfg["linear_value_head_dim"]
         return (("in_proj_qkv", 2 * key_dim + value_dim), ("in_proj_z", value_dim))
     return None
-
-
-# ---------------------------------------------------------------------------------------------- I/O
-
-
-class SourceCheckpoint:
-    """Lazy reader of a safetensors checkpoint directory (single file or sharded with an index)."""
-
-    def __init__(self, root: Path, stack: contextlib.ExitStack) -> None:
-        self.root = root
-        index = root / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        else:
-            files = sorted(root.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{root}: no *.safetensors weights (and no model.safetensors.index.json); "
-                                        "bonsai-convert reads safetensors checkpoints only")
-            weight_map = {}
-            for f in files:
-                with safe_open(f, framework="pt") as handle:
-                    weight_map.update({k: f.name for k in handle.keys()})
-        self._map = weight_map
-        self._handles = {name: stack.enter_context(safe_open(root / name, framework="pt"))
-                         for name in sorted(set(weight_map.values()))}
-
-    def keys(self) -> list[str]:
-        return sorted(self._map)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._map
-
-    def shape(self, key: str) -> list[int]:
-        return self._handles[self._map[key]].get_slice(key).get_shape()
-
-    def get(self, key: str) -> torch.Tensor:
-        if key not in self._map:
-            raise KeyError(f"{self.root}: tensor '{key}' is not in the checkpoint")
-        return self._handles[self._map[key]].get_tensor(key)
-
-
-class ShardWriter:
-    """Buffers output tensors and writes safetensors shards of at most `max_bytes` (single file if one)."""
-
-    def __init__(self, out: Path, max_bytes: int) -> None:
-        self.out, self.max_bytes = out, max_bytes
-        self._buf: dict[str, torch.Tensor] = {}
-        self._size = 0
-        self._shards: list[tuple[str, list[str]]] = []  # (temporary file name, keys)
-        self.total_bytes = 0
-
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._buf and self._size + nbytes > self.max_bytes:
-            self._flush()
-        self._buf[key] = tensor.detach().to("cpu").contiguous()
-        self._size += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        name = f"shard-{len(self._shards):05d}.tmp.safetensors"
-        save_file(self._buf, self.out / name, metadata={"format": "pt"})
-        # safetensors 0.8 creates the file 0600; a served model must be readable by the server's user.
-        (self.out / name).chmod(0o666 & ~_umask())
-        self._shards.append((name, list(self._buf)))
-        self._buf, self._size = {}, 0
-
-    def close(self) -> None:
-        if self._buf or not self._shards:
-            self._flush()
-        n = len(self._shards)
-        if n == 1:
-            (self.out / self._shards[0][0]).rename(self.out / "model.safetensors")
-            return
-        weight_map = {}
-        for i, (tmp_name, keys) in enumerate(self._shards):
-            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            (self.out / tmp_name).rename(self.out / name)
-            weight_map.update({k: name for k in keys})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-@contextlib.contextmanager
-def atomic_directory(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary directory beside `out`; on success it replaces `out`, on error it is removed."""
-    out = Path(out).absolute()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} already exists; remove it or pass --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    # mkdtemp makes the directory 0700; a model directory should get the usual umask permissions.
-    tmp.chmod(0o777 & ~_umask())
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        out.rename(old / "x")
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-
-
-def _copy_side_files(src: Path, dst: Path) -> None:
-    """Copy tokenizer, chat template, generation config, etc.: every top-level file but weights/config."""
-    for f in sorted(src.iterdir()):
-        if f.is_file() and not f.name.startswith(".") and f.name != "config.json" \
-                and not _WEIGHT_FILE.fullmatch(f.name):
-            shutil.copy2(f, dst / f.name)
-
-
-def _read_config(src: Path) -> dict:
-    path = Path(src) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; SRC must be a Hugging Face checkpoint directory")
-    return json.loads(path.read_text())
-
-
-def _write_config(dst: Path, config: dict) -> None:
-    (dst / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------- to ternary
@@ -300,7 +169,7 @@ def convert_to_ternary(src: Path, out: Path, seed: int = 0, *, overwrite: bool =
                        progress: bool = True) -> Path:
     """Convert a dense HF Qwen3.5 checkpoint directory into a prism_ternary one at `out`. Returns `out`."""
     src, out = Path(src), Path(out)
-    config = _read_config(src)
+    config = read_config(src)
     if "quantization_config" in config:
         raise ValueError(f"{src}/config.json already has a quantization_config "
                          f"({config['quantization_config'].get('quant_method')!r}); bonsai-convert needs a "
@@ -345,8 +214,8 @@ def convert_to_ternary(src: Path, out: Path, seed: int = 0, *, overwrite: bool =
             config["tie_word_embeddings"] = False
             if "text_config" in config:
                 config["text_config"] = {**config["text_config"], "tie_word_embeddings": False}
-        _write_config(tmp, config)
-        _copy_side_files(src, tmp)
+        write_config(tmp, config)
+        copy_side_files(src, tmp)
     return out
 
 
@@ -357,7 +226,7 @@ def convert_to_dense(src: Path, out: Path, *, overwrite: bool = False, device: s
                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = True) -> Path:
     """Convert a prism_ternary checkpoint into a dense bf16 HF checkpoint of its effective weights."""
     src, out = Path(src), Path(out)
-    config = _read_config(src)
+    config = read_config(src)
     qdict = config.get("quantization_config")
     if not qdict or qdict.get("quant_method") != QUANT_METHOD:
         raise ValueError(f"{src}/config.json has no prism_ternary quantization_config "
@@ -403,20 +272,12 @@ def convert_to_dense(src: Path, out: Path, *, overwrite: bool = False, device: s
         bar.close()
         writer.close()
         config = {k: v for k, v in config.items() if k != "quantization_config"}
-        _write_config(tmp, config)
-        _copy_side_files(src, tmp)
+        write_config(tmp, config)
+        copy_side_files(src, tmp)
     return out
 
 
 # ----------------------------------------------------------------------------------------------- CLI
-
-
-def _parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 5GB, 500MB)")
-    unit = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}[m[2]]
-    return int(float(m[1]) * unit)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -438,19 +299,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="seed of the random sign vectors (to ternary only; default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (SRC may equal OUT)")
     parser.add_argument("--device", default="cpu", help="torch device for the maths, e.g. cuda (default cpu)")
-    parser.add_argument("--max-shard-size", type=_parse_size, default=DEFAULT_MAX_SHARD_BYTES,
+    parser.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES,
                         help="largest output shard, e.g. 5GB (default) or 500MB")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     common = dict(overwrite=args.overwrite, device=args.device, max_shard_bytes=args.max_shard_size,
                   progress=not args.no_progress)
-    try:
-        if args.to_dense:
-            out = convert_to_dense(args.src, args.out, **common)
-        else:
-            out = convert_to_ternary(args.src, args.out, seed=args.seed, **common)
-    except (ValueError, OSError, KeyError) as e:
-        parser.exit(1, f"bonsai-convert: error: {e}\n")
+    if args.to_dense:
+        out = run_cli(parser, lambda: convert_to_dense(args.src, args.out, **common))
+    else:
+        out = run_cli(parser, lambda: convert_to_ternary(args.src, args.out, seed=args.seed, **common))
     print(f"wrote {'dense' if args.to_dense else 'prism_ternary'} checkpoint to {out}")
     return 0
 

@@ -44,21 +44,24 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from bonsai_vllm.core.convert import (
-    DEFAULT_MAX_SHARD_BYTES,
+from bonsai_vllm.checkpoint.convert import (
     GROUP_SIZE,
     HADAMARD_BLOCK,
-    ShardWriter,
-    SourceCheckpoint,
-    _copy_side_files,
     _split_key,
-    atomic_directory,
     make_signs,
     ternary_target,
     text_config,
 )
-from bonsai_vllm.core.format import PrismTernaryConfig, check_module_tensors, decode_signs, encode_signs
-from bonsai_vllm.core.quantize import quantize_dense
+from bonsai_vllm.checkpoint.io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardWriter,
+    SourceCheckpoint,
+    atomic_directory,
+    copy_side_files,
+    run_cli,
+)
+from bonsai_vllm.ternary.format import PrismTernaryConfig, check_module_tensors, decode_signs, encode_signs
+from bonsai_vllm.ternary.quantize import quantize_dense
 
 MLX_BITS = 2
 
@@ -351,7 +354,7 @@ def convert_mlx_pack(pack: Path, out: Path, *, include_vision: bool = True, over
         writer.close()
         cfg = prism_config_from_pack(config, {w: encode_signs(s) for w, s in signs.items()})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-        _copy_side_files(pack, tmp)
+        copy_side_files(pack, tmp)
     return out
 
 
@@ -424,7 +427,7 @@ def write_mlx_pack(dense: Path, out: Path, seed: int = 0, *, overwrite: bool = F
         pack_config["quantization"] = {"group_size": GROUP_SIZE, "bits": MLX_BITS, "mode": "affine",
                                        "modules": sorted(entries, key=lambda e: e["path"])}
         (tmp / "config.json").write_text(json.dumps(pack_config, indent=2) + "\n")
-        _copy_side_files(dense, tmp)
+        copy_side_files(dense, tmp)
     return out
 
 
@@ -433,7 +436,7 @@ def write_mlx_pack(dense: Path, out: Path, seed: int = 0, *, overwrite: bool = F
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bonsai_vllm.core.official",
+        prog="python -m bonsai_vllm.checkpoint.official",
         description="Convert PrismML's official MLX 2-bit pack of Ternary-Bonsai into the vLLM prism_ternary "
                     "checkpoint (codes regrouped, nothing re-quantized); with --write-pack, the reverse from a "
                     "dense checkpoint (test fixtures).")
@@ -444,14 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-vision", action="store_true", help="leave the vision tower out")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
-    try:
-        if args.write_pack:
-            out = write_mlx_pack(args.src, args.out, args.seed, overwrite=args.overwrite)
-        else:
-            out = convert_mlx_pack(args.src, args.out, include_vision=not args.no_vision,
-                                   overwrite=args.overwrite)
-    except (ValueError, OSError, KeyError) as e:
-        parser.exit(1, f"{parser.prog}: error: {e}\n")
+    if args.write_pack:
+        out = run_cli(parser, lambda: write_mlx_pack(args.src, args.out, args.seed, overwrite=args.overwrite))
+    else:
+        out = run_cli(parser, lambda: convert_mlx_pack(args.src, args.out, include_vision=not args.no_vision,
+                                                       overwrite=args.overwrite))
     print(f"wrote {out}")
     return 0
 

@@ -1,7 +1,7 @@
-"""Triton pack / unpack for the int8 all-reduce of `core.allreduce` (its PyTorch code is the judge).
+"""Triton pack / unpack for the int8 all-reduce of `comm.reference` (its PyTorch code is the judge).
 
 Report 002 (§5) made prefill all-reduces 1.6-1.7× faster once pack and unpack were one Triton kernel each
-(0.47 → 0.018 ms and 0.57 → 0.018 ms against PyTorch). Same wire format and maths as core.allreduce:
+(0.47 → 0.018 ms and 0.57 → 0.018 ms against PyTorch). Same wire format and maths as comm.reference:
 
     pack(x [rows, n]) = uint8 [rows·n + rows·(n/128)·4]: all int8 codes, then all float32 scales
     q = round(x · (1 / scale)), scale = absmax of the 128-group / 127 (0 for an all-zero group)
@@ -9,7 +9,7 @@ Report 002 (§5) made prefill all-reduces 1.6-1.7× faster once pack and unpack 
 
 Both kernels are bit-identical to the reference: divisions use IEEE `div_rn` (Triton's plain `/` is
 approximate) and they compile with FMA contraction off, so x · inv and each q · scale + acc round as in
-PyTorch. Every rank therefore still holds the same sum (core.allreduce's docstring says why that matters).
+PyTorch. Every rank therefore still holds the same sum (comm.reference's docstring says why that matters).
 Memory-bound: pack reads 2 bytes and writes 1.03 per bf16 element; unpack reads 1.03 per element per rank
 and writes 2.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from bonsai_vllm.core import allreduce as ref
-from bonsai_vllm.core.kernels._triton import require, tl, triton, usable
+from bonsai_vllm.comm import reference as ref
+from bonsai_vllm.triton_runtime import require, tl, triton, usable
 
 GROUP = ref.GROUP  # 128 elements per scale
 
@@ -72,7 +72,7 @@ def _tiles(m: int, n: int) -> tuple[int, int]:
 
 
 def pack(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, n] (n % 128 == 0) -> uint8 [rows·n + rows·(n/128)·4], bit-identical to core.allreduce.pack."""
+    """x [rows, n] (n % 128 == 0) -> uint8 [rows·n + rows·(n/128)·4], bit-identical to comm.reference.pack."""
     require()
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -91,7 +91,7 @@ def pack(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
 def unpack_sum(packed: torch.Tensor, shape: tuple[int, int], *, out_dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """[world, bytes] of every rank's pack -> [rows, n] = Σ_r dequant(pack_r), summed in float32 in rank order
-    (core.allreduce.unpack_sum), then cast to `out_dtype` in the same pass."""
+    (comm.reference.unpack_sum), then cast to `out_dtype` in the same pass."""
     require()
     m, n = shape
     if packed.dim() != 2 or packed.shape[1] != m * n + m * (n // GROUP) * 4 or packed.stride(1) != 1:
@@ -105,7 +105,7 @@ def unpack_sum(packed: torch.Tensor, shape: tuple[int, int], *, out_dtype: torch
 
 
 def int8_all_reduce(x: torch.Tensor, gather: ref.GatherBytes) -> torch.Tensor:
-    """core.allreduce.int8_all_reduce with the Triton pack / unpack (the reference where Triton can't run).
+    """comm.reference.int8_all_reduce with the Triton pack / unpack (the reference where Triton can't run).
 
     `gather(buf)` returns every rank's buf stacked, [world, bytes]; every rank must call it (a collective).
     """
@@ -118,7 +118,7 @@ def int8_all_reduce(x: torch.Tensor, gather: ref.GatherBytes) -> torch.Tensor:
 # What the served TP all-reduce runs for one payload (`route`), by name.
 ROUTE_BF16 = "bf16"  # the engine's own all-reduce (decode-sized payloads, widths not a multiple of 128)
 ROUTE_TRITON = "int8-triton"  # int8 exchange, Triton pack / unpack (CUDA, or the interpreter)
-ROUTE_TORCH = "int8-torch"  # int8 exchange, core.allreduce's PyTorch code (CPU serving)
+ROUTE_TORCH = "int8-torch"  # int8 exchange, comm.reference's PyTorch code (CPU serving)
 
 
 def route(x: torch.Tensor, min_rows: int) -> str:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from bonsai_vllm.core.kv import reference as ref
-from bonsai_vllm.core.kv.format import KVFormat
-from bonsai_vllm.core.kv.rotation import KVRotation
+from bonsai_vllm.kv import reference as ref
+from bonsai_vllm.kv.format import KVFormat
+from bonsai_vllm.kv.rotation import KVRotation
 
 
 class LayerKVCache:
@@ -55,7 +55,7 @@ class LayerKVCache:
 
     def _store(self, k_rot: torch.Tensor, v_rot: torch.Tensor, slots: torch.Tensor) -> None:
         if self.use_kernels:
-            from bonsai_vllm.core.kv.store import store
+            from bonsai_vllm.kv.kernels.store import store
 
             store(self.cache, k_rot.contiguous(), v_rot.contiguous(), slots, self.fmt, self.bs)
         else:
@@ -91,7 +91,7 @@ class LayerKVCache:
         args = (q_rot, self.cache, self.block_table[:bsz], self.n_quant[:bsz], self.win_k[:bsz], self.win_v[:bsz],
                 self.n_win[:bsz], self.fmt, self.bs, sm_scale)
         if self.use_kernels:
-            from bonsai_vllm.core.kv.decode import decode
+            from bonsai_vllm.kv.kernels.decode import decode
 
             o_rot = decode(*args, **kernel_kw)
         else:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from bonsai_vllm.core.kv import reference as ref
-from bonsai_vllm.core.kv.format import K3V2
-from bonsai_vllm.core.kv.rotation import KVRotation, calibrate, save_rotations
+from bonsai_vllm.kv import reference as ref
+from bonsai_vllm.kv.format import K3V2
+from bonsai_vllm.kv.rotation import KVRotation, calibrate, save_rotations
 
 DEFAULT_TOKENS = 4096
 _FILE = re.compile(r"layer(\d+)\.rank(\d+)\.safetensors$")

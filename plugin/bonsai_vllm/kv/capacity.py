@@ -1,6 +1,6 @@
 """KV pool of Ternary-Bonsai-2-27B on 2 × 12 GB (TP=2) per KV format, as vLLM 0.32 sizes and reports it.
 
-    PYTHONPATH=plugin python -m bonsai_vllm.core.kv.capacity      # prints both tables below
+    PYTHONPATH=plugin python -m bonsai_vllm.kv.capacity      # prints both tables below
 
 Naive arithmetic (DESIGN §1): only the 16 full-attention layers hold KV; each GPU keeps 2 of the 4 KV
 heads, so a token costs 16 · 2 · B bytes per GPU (B = bytes per token per KV head: bf16 1024, TurboQuant
@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bonsai_vllm.core.kv.format import K2V2, K3V2
+from bonsai_vllm.kv.format import K2V2, K3V2
 
 GIB = 1 << 30
 
@@ -152,7 +152,7 @@ def kv_budget(gpu_bytes: float, utilization: float, weights_bytes: float, other_
 # after minutes of loading.
 
 # Bytes per token per KV head of the formats as the served backends page them (`--kv-cache-dtype`): K3V2
-# pages carry a bf16 sink/ring share (core/kv/paged.py: 168 + 32), and its kernel block is 128 tokens.
+# pages carry a bf16 sink/ring share (kv/paged.py: 168 + 32), and its kernel block is 128 tokens.
 KV_BYTES["fp8"] = KV_BYTES["bf16"] // 2
 KV_BYTES["k3v2_paged"] = K3V2.slot_bytes + 4 * HEAD_DIM // 32  # paged.content_bytes (that module needs torch)
 SERVED_KV = {"auto": ("bf16", 16), "bfloat16": ("bf16", 16), "fp8": ("fp8", 16),

@@ -91,6 +91,11 @@ class KVFormat:
         meta = v + block_size * self.v_bytes
         return {"k_lo": 0, "k_hi": k_hi, "v": v, "meta": meta, "page": meta + block_size * META_BYTES}
 
+    def kernel_offsets(self, block_size: int) -> dict[str, int]:
+        """The same offsets as the Triton kernels take them (constexpr arguments); the one place they come from."""
+        o = self.offsets(block_size)
+        return {"OFF_HI": o["k_hi"], "OFF_V": o["v"], "OFF_META": o["meta"]}
+
     def page_bytes(self, block_size: int) -> int:
         return block_size * self.slot_bytes
 

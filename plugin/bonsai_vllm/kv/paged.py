@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bonsai_vllm.core.kv import reference as ref
-from bonsai_vllm.core.kv.format import KVFormat
+from bonsai_vllm.kv import reference as ref
+from bonsai_vllm.kv.format import KVFormat
 
 BF16_SHARE = 32  # one bf16 K+V token slot (4·D bytes) per this many tokens of page
 # Prefill attention takes the keys in chunks: at most this many float32 scores at once (64 MiB), and
@@ -119,7 +119,7 @@ class PagedK3V2:
         ring slot of their offset, and the sink slot when the offset is < sink."""
         qpages, bf = self.views(cache)
         if use_kernels:
-            from bonsai_vllm.core.kv.store import store
+            from bonsai_vllm.kv.kernels.store import store
 
             store(qpages, k_rot.contiguous(), v_rot.contiguous(), slots, self.fmt, self.block_size)
         else:
@@ -192,7 +192,7 @@ class PagedK3V2:
         args = (q_rot.contiguous(), qpages, block_table, n_quant, win_k, win_v, n_win, self.fmt, self.block_size,
                 sm_scale)
         if use_kernels:
-            from bonsai_vllm.core.kv.decode import decode
+            from bonsai_vllm.kv.kernels.decode import decode
 
             return decode(*args, q_start=self.sink, **kernel_kw)
         return ref.decode_ref(*args, q_start=self.sink)
@@ -253,7 +253,7 @@ class PagedK3V2:
         newest tokens), each sub-row seeing the window up to its own last query. No float copy of the
         context is made: the pages are read as the decode kernel reads them, from L2 after the first
         sub-row (the 27B's 130k-token context is 44 MB per layer and rank)."""
-        from bonsai_vllm.core.kv.decode import auto_splits, decode
+        from bonsai_vllm.kv.kernels.decode import auto_splits, decode
 
         ql, hq, d = q_rot.shape
         hkv = k_rot.shape[1]

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from bonsai_vllm.core.kv.format import KVFormat
+from bonsai_vllm.kv.format import KVFormat
 
 LOG2E = 1.4426950408889634
 

@@ -9,7 +9,7 @@ Why rotate: a rotation spreads a few large channels (the outlier channels of LLM
 coordinates, so a per-vector min/max quantizer with a handful of levels is not dominated by them.
 
 - Data-free default: R = diag(s) · H_D (s a ±1 vector drawn from a seed per layer and K/V, H_D the
-  normalized Sylvester Hadamard), i.e. x @ R = fwht(x ⊙ s): core.hadamard's transform.
+  normalized Sylvester Hadamard), i.e. x @ R = fwht(x ⊙ s): ternary.reference's transform.
 - Calibrated ("OSCAR style", arXiv 2605.17757): from sample keys/values, R = U · P · H_D with U the
   eigenvectors of the covariance (per KV head), P a bit-reversal permutation of the sorted eigen-axes and
   H_D the Hadamard. U decorrelates; H then gives every coordinate exactly the mean variance (a random
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bonsai_vllm.core.hadamard import fwht, hadamard_matrix
+from bonsai_vllm.ternary.reference import fwht, hadamard_matrix
 
 
 def _signs(seed: int, layer: int, which: int, n: int) -> torch.Tensor:

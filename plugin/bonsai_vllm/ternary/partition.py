@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from bonsai_vllm.core.hadamard import fwht
+from bonsai_vllm.ternary.reference import fwht
 
 # exchange(t) -> all ranks' `t` concatenated along the last dimension, in rank order.
 Exchange = Callable[[torch.Tensor], torch.Tensor]

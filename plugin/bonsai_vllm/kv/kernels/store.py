@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from bonsai_vllm.core.kernels._triton import interpreting, require, tl, triton
-from bonsai_vllm.core.kv.format import KVFormat
+from bonsai_vllm.triton_runtime import interpreting, require, tl, triton
+from bonsai_vllm.kv.format import KVFormat
 
 if triton is not None:
 
@@ -63,13 +63,11 @@ if triton is not None:
     @triton.jit(do_not_specialize=["R"])
     def _store_kernel(k_ptr, v_ptr, slot_ptr, cache_ptr, R, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_cb, stride_ch, HKV: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                      K_BITS: tl.constexpr, K_KIDX: tl.constexpr, V_KIDX: tl.constexpr, BT: tl.constexpr):
+                      K_BITS: tl.constexpr, OFF_HI: tl.constexpr, OFF_V: tl.constexpr,
+                      OFF_META: tl.constexpr, K_KIDX: tl.constexpr, V_KIDX: tl.constexpr, BT: tl.constexpr):
         # grid: (cdiv(R, BT),) over R = T·Hkv rows (token-major, head fastest).
         P: tl.constexpr = D // 4
         W: tl.constexpr = D // 8
-        OFF_HI: tl.constexpr = BS * P
-        OFF_V: tl.constexpr = OFF_HI + (BS * W if K_BITS == 3 else 0)
-        OFF_META: tl.constexpr = OFF_V + BS * P
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         t = rows // HKV
         h = rows % HKV
@@ -125,5 +123,5 @@ def store(cache: torch.Tensor, k_rot: torch.Tensor, v_rot: torch.Tensor, slots: 
     bt = rows_per_program or (64 if interpreting() else 4)
     _store_kernel[(triton.cdiv(r, bt),)](
         k_rot, v_rot, slots, cache, r, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
-        cache.stride(0), cache.stride(1), HKV=hkv, BS=block_size, D=d, K_BITS=fmt.k_bits,
+        cache.stride(0), cache.stride(1), HKV=hkv, BS=block_size, D=d, K_BITS=fmt.k_bits, **fmt.kernel_offsets(block_size),
         K_KIDX=fmt.clip_index(fmt.k_clip), V_KIDX=fmt.clip_index(fmt.v_clip), BT=bt, num_warps=4)

@@ -1,8 +1,8 @@
 """Triton kernels for the hot paths of a prism_ternary layer on NVIDIA GPUs (H200 sm_90, RTX 50 sm_120).
 
-The PyTorch reference in `core.ternary` / `core.hadamard` stays the judge: every kernel here sits beside
+The PyTorch reference in `ternary.reference` / `ternary.reference` stays the judge: every kernel here sits beside
 the reference function it must match (tests/core/test_kernels.py, and on a GPU `python -m
-bonsai_vllm.core.bench_kernels`, which checks before it times). Triton is imported lazily and guardedly:
+benchmarks.kernels`, which checks before it times). Triton is imported lazily and guardedly:
 this package imports where Triton is missing or has no GPU backend, and then everything falls back to the
 reference.
 
@@ -10,7 +10,7 @@ API for the vLLM adapter
 ------------------------
 Layer state, once at load (`process_weights_after_loading`)::
 
-    from bonsai_vllm.core.kernels import prepare, ternary_linear
+    from bonsai_vllm.ternary.kernels import prepare, ternary_linear
     layer.prism = prepare(layer.weight, layer.scales, layer.signs, expand_int8=False)
         # packed int32 [N, K/16], scales fp16 [N, K/128], signs float32 [K] (this rank's slice, or None)
         # expand_int8=True keeps W8 int8 [N, K] for prefill (N·K bytes; TernaryWeights.int8_bytes())
@@ -18,7 +18,7 @@ Layer state, once at load (`process_weights_after_loading`)::
 Forward (`apply`)::
 
     y = ternary_linear(x, layer.prism, bias=bias)             # x [..., K] unrotated, K % 1024 == 0
-    y = ternary_linear(xr, layer.prism, rotated=True)         # xr = core.partition.rotate_partition(...)
+    y = ternary_linear(xr, layer.prism, rotated=True)         # xr = ternary.partition.rotate_partition(...)
 
     M <= GEMV_MAX_M rows -> block_hadamard + ternary_gemv (codes read once, decoded in registers)
     larger M             -> quantize_per_token (rotation fused) + int8 matmul (int_mm + rescale, or int8_gemm)
@@ -30,24 +30,22 @@ Building blocks (all take `out=` so callers and tests can pass preallocated / po
 - `quantize_per_token(x, signs=None)`: (int8 [M, K], float32 scale [M]); rotates first when given signs.
 - `ternary_gemv(xr, packed, scales, bias=None)`: decode GEMV on rotated input.
 - `expand_int8(packed, q)`, `int8_gemm(...)`, `int_mm_linear(...)`, `rescale(...)`: the prefill pieces.
-- `pack(x)`, `unpack_sum(packed, shape)`, `int8_all_reduce(x, gather)`: core.allreduce's int8 all-reduce
-  (same bytes, same sums) as one Triton kernel each way (allreduce.py); a drop-in for
-  `core.allreduce.int8_all_reduce` that falls back to it where Triton cannot run.
+
+The int8 all-reduce's kernels are `bonsai_vllm.comm.kernels`.
 """
 
 from __future__ import annotations
 
-from bonsai_vllm.core.kernels._triton import interpreting, usable
-from bonsai_vllm.core.kernels.linear import GEMV_MAX_M, TernaryWeights, prepare, ternary_linear
+from bonsai_vllm.triton_runtime import interpreting, usable
+from bonsai_vllm.ternary.kernels.linear import GEMV_MAX_M, TernaryWeights, prepare, ternary_linear
 
 __all__ = ["GEMV_MAX_M", "TernaryWeights", "prepare", "ternary_linear", "interpreting", "usable",
            "block_hadamard", "quantize_per_token", "ternary_gemv", "expand_int8", "int8_gemm", "int_mm_linear",
-           "rescale", "pack", "unpack_sum", "int8_all_reduce"]
+           "rescale"]
 
 _LAZY = {
     "block_hadamard": "hadamard", "quantize_per_token": "hadamard", "ternary_gemv": "gemv",
     "expand_int8": "int8mm", "int8_gemm": "int8mm", "int_mm_linear": "int8mm", "rescale": "int8mm",
-    "pack": "allreduce", "unpack_sum": "allreduce", "int8_all_reduce": "allreduce",
 }
 
 
@@ -56,5 +54,5 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f"bonsai_vllm.core.kernels.{_LAZY[name]}"), name)
+        return getattr(importlib.import_module(f"bonsai_vllm.ternary.kernels.{_LAZY[name]}"), name)
     raise AttributeError(name)

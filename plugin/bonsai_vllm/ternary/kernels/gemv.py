@@ -1,7 +1,7 @@
 """Decode GEMV/GEMM for small batches (M = 1 … 64 rows): y = xr · W'^T straight from the 2-bit codes.
 
-Reference (the judge): `xr.float() @ core.ternary.dequantize(packed, scales, 128).t()`, i.e.
-`core.ternary.ternary_linear_ref` without the rotation (`xr` is already H(s ⊙ x)).
+Reference (the judge): `xr.float() @ ternary.reference.dequantize(packed, scales, 128).t()`, i.e.
+`ternary.reference.ternary_linear_ref` without the rotation (`xr` is already H(s ⊙ x)).
 
 At small M the layer is one pass over the weights: 2.125 bits per weight (codes + one fp16 scale per 128)
 against 16 for bf16, so a kernel that reads the codes and scales once can beat a dense cuBLAS GEMV by up
@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import torch
 
-from bonsai_vllm.core.kernels._triton import dot_dtype, require, tl, triton
+from bonsai_vllm.triton_runtime import dot_dtype, require, tl, triton
 
 if triton is not None:
 
@@ -317,7 +317,7 @@ def ternary_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
         xp = x.reshape(m, k)
         out_dtype = out_dtype or torch.bfloat16
     else:
-        from bonsai_vllm.core.kernels.hadamard import gemv_order
+        from bonsai_vllm.ternary.kernels.hadamard import gemv_order
 
         xp = gemv_order(x, dtype=x_dtype(config))
         out_dtype = out_dtype or x.dtype

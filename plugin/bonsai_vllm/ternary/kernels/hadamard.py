@@ -1,7 +1,7 @@
 """Signed block Walsh-Hadamard rotation of activations, optionally fused with per-token int8 quantization.
 
-Reference (the judge): `bonsai_vllm.core.hadamard.signed_block_hadamard` (y = fwht(x ⊙ s) per block),
-and for the int8 output the first lines of `core.ternary.ternary_linear_int8_ref` (amax/127 per token,
+Reference (the judge): `bonsai_vllm.ternary.reference.signed_block_hadamard` (y = fwht(x ⊙ s) per block),
+and for the int8 output the first lines of `ternary.reference.ternary_linear_int8_ref` (amax/127 per token,
 round half to even).
 
 How the kernel rotates. Sylvester's H_1024 is H_32 ⊗ H_32: write a 1024-block as a 32×32 matrix
@@ -11,7 +11,7 @@ two 32×32 matrix products, which run on the tensor cores: a program loads BM ro
 and stores in natural order. H has ±1 entries and x ⊙ s is exact in bf16, so the first product is exact
 in the float32 accumulator; its float32 result is split into bf16 hi + lo for the second product
 (error ~2⁻¹⁷, far under the bf16 output's rounding). Blocks 256 and 512 (H_16 ⊗ H_16, H_16 ⊗ H_32) work
-the same way; 512 is what a TP=2 rank rotates of down_proj's cut block (core/partition.py).
+the same way; 512 is what a TP=2 rank rotates of down_proj's cut block (ternary/partition.py).
 
 Memory-bound: each element is read once and written once (the int8 path reads x twice, the second time
 from L2, to quantize with the row's amax without keeping the row in registers).
@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from bonsai_vllm.core.kernels._triton import dot_dtype, require, tl, triton
+from bonsai_vllm.triton_runtime import dot_dtype, require, tl, triton
 
 # Block size -> (B1, B2): the two Sylvester factors (high index bits, low index bits).
 _FACTORS = {256: (16, 16), 512: (16, 32), 1024: (32, 32)}
@@ -122,7 +122,7 @@ def _check(x: torch.Tensor, signs: torch.Tensor, block: int) -> None:
         raise ValueError(f"block_hadamard: block {block} not supported by the kernel (one of {sorted(_FACTORS)})")
     if x.shape[-1] % block:
         raise ValueError(f"block_hadamard: width {x.shape[-1]} is not a multiple of the block {block}; "
-                         "rotate a tensor-parallel cut block with core.partition.rotate_partition")
+                         "rotate a tensor-parallel cut block with ternary.partition.rotate_partition")
     if signs.shape != (x.shape[-1],):
         raise ValueError(f"block_hadamard: signs shape {list(signs.shape)} != [{x.shape[-1]}]")
 
@@ -212,7 +212,7 @@ def quantize_per_token(x: torch.Tensor, signs: torch.Tensor | None = None, block
 
 
 def quantize_per_token_ref(xr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of the int8 step of core.ternary.ternary_linear_int8_ref, on a rotated x [M, K]."""
+    """PyTorch reference of the int8 step of ternary.reference.ternary_linear_int8_ref, on a rotated x [M, K]."""
     xr = xr.float().reshape(-1, xr.shape[-1])
     scale = xr.abs().amax(dim=-1, keepdim=True) / 127.0
     q = torch.round(xr / scale.clamp_min(torch.finfo(torch.float32).tiny)).clamp(-127, 127)

@@ -1,6 +1,6 @@
 """Prefill path (large M): report 000's exact int8 decomposition, one int8 × int8 → int32 matmul per layer.
 
-Reference (the judge): `core.ternary.int8_decompose` and `core.ternary.ternary_linear_int8_ref`.
+Reference (the judge): `ternary.reference.int8_decompose` and `ternary.reference.ternary_linear_int8_ref`.
 
     q[n, g]   = round(127 · s[n, g] / smax[n])      (int8, |q| <= 127; `int8_scales`)
     W8[n, k]  = code[n, k] · q[n, k/128]             (int8, exact; `expand_int8`)
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from bonsai_vllm.core.kernels._triton import require, tl, triton
+from bonsai_vllm.triton_runtime import require, tl, triton
 
 if triton is not None:
 

@@ -2,11 +2,11 @@
 
     tw = prepare(packed, scales, signs)         # once, in process_weights_after_loading
     y  = ternary_linear(x, tw)                  # every forward: rotates x, then multiplies
-    y  = ternary_linear(xr, tw, rotated=True)   # x already rotated (a TP=2 cut block: core.partition)
+    y  = ternary_linear(xr, tw, rotated=True)   # x already rotated (a TP=2 cut block: ternary.partition)
 
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
-  `core.ternary` (the judge), so CPU serving keeps working;
+  `ternary.reference` (the judge), so CPU serving keeps working;
 - M <= `GEMV_MAX_M` (2; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
   reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches (three
   for gate_up at M = 1, whose split-K sums its partials in a second small launch);
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bonsai_vllm.core.kernels._triton import usable
-from bonsai_vllm.core.ternary import dequantize
+from bonsai_vllm.triton_runtime import usable
+from bonsai_vllm.ternary.reference import dequantize
 
 GROUP_SIZE = 128
 BLOCK = 1024
@@ -77,7 +77,7 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
                          f"{packed.dtype} {list(packed.shape)} and {scales.dtype} {list(scales.shape)}")
     if signs is not None and signs.shape != (k,):
         raise ValueError(f"prepare: signs shape {list(signs.shape)} != [{k}]")
-    from bonsai_vllm.core.kernels.int8mm import int8_scales
+    from bonsai_vllm.ternary.kernels.int8mm import int8_scales
 
     q, row_scale = int8_scales(scales)
     tw = TernaryWeights(packed.contiguous(), scales.contiguous(),
@@ -90,17 +90,17 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
 
 def _expand(tw: TernaryWeights) -> torch.Tensor:
     if usable(tw.packed):
-        from bonsai_vllm.core.kernels.int8mm import expand_int8
+        from bonsai_vllm.ternary.kernels.int8mm import expand_int8
 
         return expand_int8(tw.packed, tw.q)
-    from bonsai_vllm.core.format import unpack_ternary
+    from bonsai_vllm.ternary.format import unpack_ternary
 
     return (unpack_ternary(tw.packed).to(torch.int16) * tw.q.to(torch.int16).repeat_interleave(GROUP_SIZE, -1)
             ).to(torch.int8)
 
 
 def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.Tensor | None) -> torch.Tensor:
-    from bonsai_vllm.core.hadamard import signed_block_hadamard
+    from bonsai_vllm.ternary.reference import signed_block_hadamard
 
     xr = x.float() if rotated else signed_block_hadamard(x.float(), tw.signs, tw.block)
     y = xr @ dequantize(tw.packed, tw.scales, GROUP_SIZE).to(x.device).t()
@@ -133,10 +133,10 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
     if not triton_ok:
         return Route("reference")
     if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
-        from bonsai_vllm.core.kernels import gemv
+        from bonsai_vllm.ternary.kernels import gemv
 
         return Route("gemv", gemv.default_config(m, tw.out_features, tw.in_features))
-    from bonsai_vllm.core.kernels import int8mm
+    from bonsai_vllm.ternary.kernels import int8mm
 
     return Route("int8", int8mm.default_config(m, tw.out_features, tw.in_features),
                  "kept" if tw.w_int8 is not None else "expanded")
@@ -147,14 +147,14 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
     """y [..., N] = H(s ⊙ x) · W'^T (+ bias), or xr · W'^T with `rotated=True`; returns x's dtype.
 
     Unrotated input needs K % block == 0 and `tw.signs`; a TP rank whose slice cuts a block rotates with
-    core.partition.rotate_partition and passes rotated=True.
+    ternary.partition.rotate_partition and passes rotated=True.
     """
     k = tw.in_features
     if x.shape[-1] != k:
         raise ValueError(f"ternary_linear: input width {x.shape[-1]} != layer input width {k}")
     if not rotated and (tw.signs is None or k % tw.block):
         raise ValueError(f"ternary_linear: cannot rotate here (width {k}, block {tw.block}, signs "
-                         f"{'set' if tw.signs is not None else 'None'}); rotate with core.partition and "
+                         f"{'set' if tw.signs is not None else 'None'}); rotate with ternary.partition and "
                          "pass rotated=True")
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -162,8 +162,8 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
     if r.path == "reference":
         return _reference(x, tw, rotated, bias)
     if r.path == "gemv":
-        from bonsai_vllm.core.kernels import gemv
-        from bonsai_vllm.core.kernels.hadamard import block_hadamard, gemv_order
+        from bonsai_vllm.ternary.kernels import gemv
+        from bonsai_vllm.ternary.kernels.hadamard import block_hadamard, gemv_order
 
         cfg = r.config
         dt = gemv.x_dtype(cfg)
@@ -171,8 +171,8 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         xp = gemv_order(x2, dtype=dt) if rotated else block_hadamard(x2, tw.signs, tw.block, gemv_order=True, dtype=dt)
         y = gemv.ternary_gemv(xp, tw.packed, tw.scales, bias, prepared=True, out_dtype=x.dtype, config=cfg)
     else:
-        from bonsai_vllm.core.kernels import int8mm
-        from bonsai_vllm.core.kernels.hadamard import block_hadamard, quantize_per_token
+        from bonsai_vllm.ternary.kernels import int8mm
+        from bonsai_vllm.ternary.kernels.hadamard import block_hadamard, quantize_per_token
 
         # Rotate, then quantize: two passes, but each at full bandwidth (the fused kernel rotates twice).
         xr = x2 if rotated else block_hadamard(x2, tw.signs, tw.block)
