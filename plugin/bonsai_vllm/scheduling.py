@@ -1,9 +1,9 @@
 """Scheduling policy for a shared GPU, free of vLLM: who gets preempted, and how much prefill a step takes.
 
 vLLM 0.32 never preempts a running request for a waiting one of better priority: a chat user waited
-30–58 s behind 16 agent streams in report 002, and 0.2–0.3 s once the waiting request could preempt the
-lowest-priority running one. Report 000 capped the prefill mixed into each step so that a long document
-being read does not drop everyone else's generation to 4 tok/s. The adapter
+30–58 s behind 16 agent streams in report 002 §3 (docs/field-reports.md), and 0.2–0.3 s once the waiting
+request could preempt the lowest-priority running one. Report 000 §4 capped the prefill mixed into each
+step so that a long document being read does not drop everyone else's generation to 4 tok/s. The adapter
 (`bonsai_vllm.adapters.scheduler`) applies these decisions to vLLM's scheduler state.
 
 Priorities follow vLLM: a lower number runs first; ties go to the earlier arrival.
@@ -11,8 +11,10 @@ Priorities follow vLLM: a lower number runs first; ties go to the earlier arriva
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Mapping
+
+from bonsai_vllm import settings
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,13 @@ class PolicyConfig:
     cooldown_steps: int = 16  # BONSAI_PREEMPT_COOLDOWN: steps a preempted request cannot trigger preemption
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "PolicyConfig":
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "PolicyConfig":
+        """From `env` if given, else the process environment (read once; bonsai_vllm.settings)."""
         return cls(
-            preempt=env.get("BONSAI_PRIORITY_PREEMPT", "1") not in ("0", "false", "off"),
-            decode_prefill_budget=int(env.get("BONSAI_PREFILL_BUDGET_DECODING", cls.decode_prefill_budget)),
-            idle_prefill_chunk=int(env.get("BONSAI_PREFILL_CHUNK_IDLE", cls.idle_prefill_chunk)),
-            cooldown_steps=int(env.get("BONSAI_PREEMPT_COOLDOWN", cls.cooldown_steps)),
+            preempt=settings.get("BONSAI_PRIORITY_PREEMPT", env),
+            decode_prefill_budget=settings.get("BONSAI_PREFILL_BUDGET_DECODING", env),
+            idle_prefill_chunk=settings.get("BONSAI_PREFILL_CHUNK_IDLE", env),
+            cooldown_steps=settings.get("BONSAI_PREEMPT_COOLDOWN", env),
         )
 
 

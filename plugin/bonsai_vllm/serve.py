@@ -1,8 +1,9 @@
 """`bonsai-serve`: start vLLM for Ternary-Bonsai-2-27B from environment knobs (the compose `vllm` service).
 
-Report 002's `serve.sh` exposed a handful of knobs; the same ones are variables here (defaults in
+Report 002's `serve.sh` (its appendix; the field reports are described in docs/field-reports.md) exposed a
+handful of knobs; the same ones are variables here (defaults in
 `.env.example`), turned into one `vllm serve` command line. Flags that every deployment needs are always
-on — the reasoning and tool parsers (report 000: forgetting them silently spoils every accuracy test),
+on — the reasoning and tool parsers (report 000 §3: forgetting them silently spoils every accuracy test),
 priority scheduling with our preempting scheduler, prefix caching with xxhash at a fine match unit.
 
 `bonsai-serve --print` prints the command instead of running it; extra arguments are passed to vLLM.
@@ -23,6 +24,8 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
+
+from bonsai_vllm import settings
 
 SCHEDULER = "bonsai_vllm.adapters.scheduler.AsyncPreemptScheduler"
 
@@ -72,7 +75,7 @@ def build_command(env: dict[str, str]) -> list[str]:
            "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_coder", "--enable-auto-tool-choice",
            "--enable-prefix-caching", "--prefix-caching-hash-algo", "xxhash",
            "--prefix-match-unit", k("PREFIX_MATCH_UNIT"),
-           # bf16 Mamba/GDN state keeps the fused GDN decode kernel (report 000: fp16 fell back, 14% slower).
+           # bf16 Mamba/GDN state keeps the fused GDN decode kernel (report 000 §4: fp16 fell back, 14% slower).
            "--mamba-ssm-cache-dtype", "bfloat16"]
     if k("KV") != "auto":
         cmd += ["--kv-cache-dtype", k("KV")]
@@ -132,7 +135,7 @@ def preflight(env: dict[str, str], gpu_memory: int | None = None, out=sys.stdout
         print(f"GPUs: {', '.join(f'{n} ({b / capacity.GIB:.2f} GiB)' for n, b in gpus)}", file=out)
     p = capacity.plan(gpu_memory, gpus=tp, tp=tp, utilization=float(k("MEM")), kv=k("KV"),
                       max_model_len=int(k("MAX_MODEL_LEN")), seqs=int(k("SEQS")), num_spec=int(k("MTP")),
-                      ssd_embeddings=bool(env.get("BONSAI_SSD_EMBED_DIR")))
+                      ssd_embeddings=settings.get("BONSAI_SSD_EMBED_DIR", env) is not None)
     print(f"bonsai-serve --check: KV={k('KV')} MAX_MODEL_LEN={k('MAX_MODEL_LEN')} SEQS={k('SEQS')} "
           f"MTP={k('MTP')} TP={tp}", file=out)
     for line in capacity.describe(p):
@@ -152,14 +155,30 @@ def preflight(env: dict[str, str], gpu_memory: int | None = None, out=sys.stdout
     return 1
 
 
+def usage() -> str:
+    """`bonsai-serve --help`: what it does, its knobs, and the plugin's BONSAI_* switches (bonsai_vllm.settings)."""
+    lines = [__doc__.rstrip(), "", "Knobs (environment; .env.example explains each, empty = the default):"]
+    lines += [f"  {kn.env:<20} {kn.help} (default {kn.default!r})" for kn in KNOBS]
+    lines += ["", "Plugin switches (environment of every vLLM process; docs/settings.md). Unset or empty = the default;",
+              "a bool is 1/true/yes/on or 0/false/no/off; bonsai-serve refuses a value that does not parse:",
+              settings.describe()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
-        for kn in KNOBS:
-            print(f"  {kn.env:<20} {kn.help} (default {kn.default!r})")
+        print(usage())
         return 0
     env = dict(os.environ)
+    errors, warnings = settings.check(env)  # a typo fails here, in a second, not in a worker minutes later
+    for w in warnings:
+        print(f"bonsai-serve: warning: {w}", file=sys.stderr)
+    if errors:
+        for e in errors:
+            print(f"bonsai-serve: {e}", file=sys.stderr)
+        print("bonsai-serve: not starting vLLM; docs/settings.md says what each setting accepts", file=sys.stderr)
+        return 2
     if argv[:1] == ["--check"]:
         rest = argv[1:]
         size = None
@@ -175,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if printing:
         print(shlex.join(cmd))
         return 0
-    if env.get("BONSAI_SKIP_CHECK", "") not in ("1", "true", "yes"):
+    if not settings.get("BONSAI_SKIP_CHECK", env):
         rc = preflight(env)
         if rc == 1:
             print("bonsai-serve: not starting vLLM (BONSAI_SKIP_CHECK=1 starts it anyway)", file=sys.stderr)

@@ -8,29 +8,29 @@ torch.compile does not trace the size test into the graph); smaller ones keep vL
 op's body is the core's `tp_all_reduce`: Triton pack / unpack on CUDA, the PyTorch reference on CPU.
 
 Switches (environment, read once per process):
-- `BONSAI_AR_INT8=0` turns it off (default on, as report 002's `PRISM_AR_INT8=1`);
+- `BONSAI_AR_INT8=0` turns it off (default on, as report 002's `PRISM_AR_INT8=1`; docs/field-reports.md);
 - `BONSAI_AR_INT8_MIN_TOKENS` (default 128): rows from which a payload counts as prefill-sized.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
+from bonsai_vllm import settings
 from bonsai_vllm.comm.kernels import tp_all_reduce
 
 logger = logging.getLogger("vllm.bonsai")
 
 
 def enabled() -> bool:
-    return os.environ.get("BONSAI_AR_INT8", "1") not in ("0", "false", "off", "")
+    return settings.get("BONSAI_AR_INT8")
 
 
 def min_tokens() -> int:
-    return int(os.environ.get("BONSAI_AR_INT8_MIN_TOKENS", "128"))
+    return settings.get("BONSAI_AR_INT8_MIN_TOKENS")
 
 
 def _group(group_name: str):

@@ -1,7 +1,7 @@
 """The SSD embedding in vLLM 0.32: the main Qwen3.5 model's `embed_tokens` keeps only hot rows on the device.
 
-The lookup itself is `embeddings` (vLLM-free); this file plugs it into vLLM (report 002 §4.3,
-docs/ssd-embeddings.md):
+The lookup itself is `embeddings` (vLLM-free); this file plugs it into vLLM (report 002 §4.3 in
+docs/field-reports.md; docs/ssd-embeddings.md):
 
 - **Where.** vLLM 0.32's `Qwen3_5Model.__init__` builds `VocabParallelEmbedding(vocab, hidden)` with no
   quant_config, so no quantization hook reaches it. We wrap that `__init__`: while it runs, the name
@@ -51,6 +51,7 @@ from torch.nn import Parameter
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
+from bonsai_vllm import settings as bonsai_settings
 from bonsai_vllm.embeddings import (
     ColdRows,
     EmbeddingFileError,
@@ -71,7 +72,7 @@ ENV_DIR = "BONSAI_SSD_EMBED_DIR"
 ENV_HOT = "BONSAI_SSD_EMBED_HOT"
 ENV_VERIFY = "BONSAI_SSD_EMBED_VERIFY"
 DEFAULT_HOT = 32000
-VERIFY_MODES = ("sample", "full", "off")
+VERIFY_MODES = bonsai_settings.setting(ENV_VERIFY).choices  # sample, full, off
 
 
 @dataclass(frozen=True)
@@ -89,33 +90,25 @@ class Settings:
         return hashlib.sha256(f"{self.meta.shape}|{self.meta.dtype}|{ranked}".encode()).hexdigest()[:16]
 
 
-def read_settings(environ: Mapping[str, str] = os.environ) -> Settings | None:
-    """The settings from the environment; None when `BONSAI_SSD_EMBED_DIR` is unset (the feature is off).
+def read_settings(environ: Mapping[str, str] | None = None) -> Settings | None:
+    """The settings from `environ`, else the process environment (bonsai_vllm.settings); None when
+    `BONSAI_SSD_EMBED_DIR` is unset or empty (the feature is off).
 
     Raises EmbeddingFileError for a missing or truncated export, ValueError for a malformed setting.
     """
-    raw_dir = environ.get(ENV_DIR, "").strip()
-    if not raw_dir:
+    directory = bonsai_settings.get(ENV_DIR, environ)
+    if directory is None:
         return None
-    directory = Path(raw_dir).expanduser()
     meta = read_meta(directory)  # presence, JSON, dtype, exact .bin size, hot ids in range
-    raw_hot = environ.get(ENV_HOT, "").strip()
-    if raw_hot:
-        try:
-            hot_count = int(raw_hot)
-        except ValueError:
-            raise ValueError(f"{ENV_HOT}={raw_hot!r}: expected a whole number of device rows, e.g. 32000") from None
-        if hot_count < 0:
-            raise ValueError(f"{ENV_HOT}={hot_count}: the number of device rows cannot be negative")
+    hot_count = bonsai_settings.get(ENV_HOT, environ)  # a whole number >= 0, or None when unset
+    if hot_count is not None:
         if hot_count > len(meta.hot_ids):
             raise EmbeddingFileError(f"{ENV_HOT}={hot_count} but the export in {directory} ranks only "
                                      f"{len(meta.hot_ids)} ids: re-export with a larger hot size (bonsai-fetch "
                                      f"--hot-vocab {hot_count}) or set {ENV_HOT} ≤ {len(meta.hot_ids)}")
     else:
         hot_count = min(DEFAULT_HOT, len(meta.hot_ids))
-    verify = environ.get(ENV_VERIFY, "sample").strip() or "sample"
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"{ENV_VERIFY}={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
+    verify = bonsai_settings.get(ENV_VERIFY, environ)  # one of VERIFY_MODES
     return Settings(directory=directory, hot_count=hot_count, verify=verify, meta=meta)
 
 
@@ -261,7 +254,7 @@ def device_only_forward(layer: torch.nn.Module, input_: torch.Tensor) -> torch.T
 # ------------------------------------------------------------------------------------------------------
 
 
-def install_ssd_embedding(environ: Mapping[str, str] = os.environ) -> Settings | None:
+def install_ssd_embedding(environ: Mapping[str, str] | None = None) -> Settings | None:
     """Validate the settings and hook Qwen3.5 (idempotent). Off, and nothing patched, without the directory.
 
     Runs in the API server first, so a missing or truncated export stops start-up before any model loads.

@@ -49,7 +49,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from bonsai_vllm.kv.calibration import DEFAULT_TOKENS, SampleRecorder
+from bonsai_vllm import settings
+from bonsai_vllm.kv.calibration import SampleRecorder
 from bonsai_vllm.kv.kernels.decode import auto_splits
 from bonsai_vllm.kv.format import K3V2, KVFormat
 from bonsai_vllm.kv.paged import PagedK3V2, content_bytes
@@ -199,11 +200,11 @@ def _file_rotation(path: str, layer: int, num_kv_heads: int, head_offset: int) -
 
 @functools.lru_cache(maxsize=1)
 def _recorder() -> SampleRecorder | None:
-    out = os.environ.get(CAPTURE_ENV)
-    if not out:
+    out = settings.get(CAPTURE_ENV)
+    if out is None:
         return None
     rank, _ = _tp_rank_size()
-    tokens = int(os.environ.get(CAPTURE_TOKENS_ENV, DEFAULT_TOKENS))
+    tokens = settings.get(CAPTURE_TOKENS_ENV)
     logger.info("bonsai K3V2: recording %d tokens of q/k/v per full-attention layer into %s", tokens, out)
     return SampleRecorder(out, rank, tokens)
 
@@ -236,10 +237,11 @@ class K3V2AttentionImpl(AttentionImpl[K3V2Metadata]):
         self.guard = max(SPEC_GUARD, _num_spec_tokens(get_current_vllm_config()))
         self._rot: dict[tuple[str, str], KVRotation] = {}
         self._geom: dict[int, PagedK3V2] = {}
-        self.prefill_kernel = os.environ.get(PREFILL_KERNEL_ENV, "1") != "0"
+        self.prefill_kernel = settings.get(PREFILL_KERNEL_ENV)
         # A calibrated file holds every KV head of the model; this rank takes its slice (vLLM gives rank r
         # heads [r·H/tp, ...), or replicates one head over several ranks when tp > H).
-        self.rotation_file = os.environ.get(ROTATION_ENV) or None
+        rotation = settings.get(ROTATION_ENV)
+        self.rotation_file = str(rotation) if rotation is not None else None
         rank, tp = _tp_rank_size()
         config = get_current_vllm_config()
         model_config = getattr(config, "model_config", None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -30,6 +29,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
+from bonsai_vllm import settings
 from bonsai_vllm.scheduling import Job, PolicyConfig, choose_victims, prefill_budget
 
 logger = logging.getLogger("vllm.bonsai")
@@ -47,8 +47,8 @@ class PreemptMixin:
         self.bonsai = PolicyConfig.from_env()
         self.bonsai_preempted_at: dict[str, int] = {}
         self.bonsai_preemptions = 0
-        trace = os.environ.get("BONSAI_SCHED_TRACE")
-        self.bonsai_trace = open(trace, "a", buffering=1) if trace else None
+        trace = settings.get("BONSAI_SCHED_TRACE")
+        self.bonsai_trace = open(trace, "a", buffering=1) if trace is not None else None
         if self.policy != SchedulingPolicy.PRIORITY and self.bonsai.preempt:
             logger.warning("bonsai scheduler: preemption needs --scheduling-policy priority; it is off")
         logger.info("bonsai scheduler: %s", self.bonsai)

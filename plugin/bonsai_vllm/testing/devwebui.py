@@ -17,10 +17,11 @@ from pathlib import Path
 
 import requests
 
+from bonsai_vllm import settings
 from bonsai_vllm.testing.devserver import wait_until_healthy
 
 REPO = Path(__file__).resolve().parents[3]
-WEBUI_VENV = Path(os.environ.get("BONSAI_WEBUI_VENV", REPO / ".webui-venv"))
+WEBUI_VENV = settings.get("BONSAI_WEBUI_VENV") or REPO / ".webui-venv"
 
 
 class WebUIFailed(RuntimeError):
