@@ -9,7 +9,8 @@ This bench measures, in one run and against the same bf16 baseline and floor:
 - split-K `fma` at M = 1 (K cut into slices, one program per slice and tile of N), with its three
   reductions: "fixup" (one launch; the last program of a tile sums the partials), "pass" (partials, then a
   small reduce launch), "atomic" (fp32 atomic_add into a zeroed buffer, then a cast launch);
-- `rows`, the multi-row FMA kernel (one decode of a weight tile serves BM rows), with and without split-K;
+- `rows`, the multi-row FMA kernel (one decode of a weight tile serves BM rows), with and without split-K
+  (it and the "atomic" reduction are not dispatched: benchmarks/gemv_variants.py holds them);
 - at M >= 4, the int8 path (W8 kept at load, per-token int8 activations) through the Triton int8 GEMM with
   BM = 16, the per-token quantization's time included (torch._int_mm refuses M <= 16).
 Every candidate is checked against the float32 reference on fresh random inputs with the output poisoned,
@@ -26,68 +27,92 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import kernels as bk
+from bonsai_vllm.ternary.kernels.gemv import GemvConfig
+from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig
 from bonsai_vllm.ternary.reference import dequantize, int8_decompose
 
 SHAPES = bk.SHAPES
 MS = [1, 2, 4, 8, 16]
-FMA_TILES = [(32, 32, 2), (64, 32, 4), (16, 32, 2), (32, 32, 4)]  # (BN, BW, warps) of the M = 1 kernel
+
+
+def _fma(bn: int, bw: int, warps: int, **split) -> GemvConfig:
+    return GemvConfig(variant="fma", bm=1, bn=bn, bw=bw, warps=warps, stages=1, **split)
+
+
+def _dot(bm: int, bn: int, bw: int, warps: int, stages: int) -> GemvConfig:
+    return GemvConfig(variant="dot", bm=bm, bn=bn, bw=bw, warps=warps, stages=stages)
+
+
+def _rows(bm: int, bn: int, bw: int, warps: int) -> GemvConfig:
+    return GemvConfig(variant="rows", bm=bm, bn=bn, bw=bw, warps=warps, stages=1)
+
+
+FMA_TILES = [_fma(bn=32, bw=32, warps=2), _fma(bn=64, bw=32, warps=4), _fma(bn=16, bw=32, warps=2),
+             _fma(bn=32, bw=32, warps=4)]  # the M = 1 kernel's tiles, split by SPLITS too
 SPLITS = [2, 4, 8]
-ROWS_TILES = {2: [(32, 32, 4), (16, 32, 2), (32, 16, 2), (64, 32, 8)],  # BM -> (BN, BW, warps); no spills,
-              4: [(32, 32, 4), (16, 32, 4), (32, 16, 4), (16, 32, 2)],  # <= 168 registers but one (ptxas, sm_90)
-              8: [(16, 32, 4), (32, 32, 8), (16, 16, 2), (16, 32, 8)],
-              16: [(16, 32, 4), (16, 16, 2), (16, 16, 4), (16, 32, 8)]}
+ROWS_TILES = {  # BM -> tiles; no spills, <= 168 registers but one (ptxas, sm_90)
+    2: [_rows(bm=2, bn=32, bw=32, warps=4), _rows(bm=2, bn=16, bw=32, warps=2), _rows(bm=2, bn=32, bw=16, warps=2),
+        _rows(bm=2, bn=64, bw=32, warps=8)],
+    4: [_rows(bm=4, bn=32, bw=32, warps=4), _rows(bm=4, bn=16, bw=32, warps=4), _rows(bm=4, bn=32, bw=16, warps=4),
+        _rows(bm=4, bn=16, bw=32, warps=2)],
+    8: [_rows(bm=8, bn=16, bw=32, warps=4), _rows(bm=8, bn=32, bw=32, warps=8), _rows(bm=8, bn=16, bw=16, warps=2),
+        _rows(bm=8, bn=16, bw=32, warps=8)],
+    16: [_rows(bm=16, bn=16, bw=32, warps=4), _rows(bm=16, bn=16, bw=16, warps=2), _rows(bm=16, bn=16, bw=16, warps=4),
+         _rows(bm=16, bn=16, bw=32, warps=8)]}
 ROWS_SPLITS = [1, 2, 4]
-INT8_CONFIGS = [(16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 32, 256, 1, 2, 4),
-                (64, 128, 128, 8, 4, 4)]  # (BM, BN, BK, GROUP_M, warps, stages); the last: the old default
+INT8_CONFIGS = [Int8GemmConfig(bm=16, bn=64, bk=128, group_m=1, warps=4, stages=4),
+                Int8GemmConfig(bm=16, bn=128, bk=128, group_m=1, warps=4, stages=4),
+                Int8GemmConfig(bm=16, bn=64, bk=256, group_m=1, warps=4, stages=3),
+                Int8GemmConfig(bm=16, bn=32, bk=256, group_m=1, warps=2, stages=4),
+                Int8GemmConfig(bm=64, bn=128, bk=128, group_m=8, warps=4, stages=4)]  # the last: the old default
 FMA_TOL, DOT_TOL, INT8_TOL = 3e-3, 5e-3, 2e-2  # vs the float32 judge (bf16 output; dot: 3 roundings; int8: ~1%)
 
 
-def before_config(m: int, n: int) -> tuple:
+def before_config(m: int, n: int) -> GemvConfig:
     """gemv.default_config as it was before this bench (docs/benchmarks.md, first H200 sweep)."""
     if m == 1:
-        return ("fma", 1, 32, 32, 2, 1) if n > 8192 else ("fma", 1, 64, 32, 4, 1)
+        return _fma(bn=32, bw=32, warps=2) if n > 8192 else _fma(bn=64, bw=32, warps=4)
     if m <= 8:
-        return ("dot", 16, 16, 16, 1, 3)
-    return ("dot", 16, 32, 16, 2, 3) if n > 5120 else ("dot", 16, 16, 16, 1, 3)
+        return _dot(bm=16, bn=16, bw=16, warps=1, stages=3)
+    return _dot(bm=16, bn=32, bw=16, warps=2, stages=3) if n > 5120 else _dot(bm=16, bn=16, bw=16, warps=1, stages=3)
 
 
 def candidates(m: int, n: int) -> list[tuple]:
-    """("gemv", config) and ("int8", gemm config) candidates at batch m; the BEFORE config first."""
+    """("gemv", GemvConfig) and ("int8", Int8GemmConfig) candidates at batch m; the BEFORE config first."""
     c = [("gemv", before_config(m, n))]
     if m == 1:
-        c += [("gemv", ("fma", 1) + t[:2] + (t[2], 1)) for t in FMA_TILES]
-        c += [("gemv", ("fma", 1) + t[:2] + (t[2], 1, s, "fixup")) for t in FMA_TILES for s in SPLITS]
-        c += [("gemv", ("fma", 1, 32, 32, 2, 1, s, r)) for r in ("pass", "atomic") for s in SPLITS]
+        c += [("gemv", t) for t in FMA_TILES]
+        c += [("gemv", replace(t, split=s, reduce="fixup")) for t in FMA_TILES for s in SPLITS]
+        c += [("gemv", _fma(bn=32, bw=32, warps=2, split=s, reduce=r)) for r in ("pass", "atomic") for s in SPLITS]
     else:
         if m <= 4:
-            c += [("gemv", ("fma", 1, 32, 32, 2, 1)), ("gemv", ("fma", 1, 32, 32, 2, 1, 4, "fixup"))]
+            c += [("gemv", _fma(bn=32, bw=32, warps=2)), ("gemv", _fma(bn=32, bw=32, warps=2, split=4, reduce="fixup"))]
         for bm in ([m] if m <= 8 else [8, 16]):
             for t in ROWS_TILES[bm]:
-                c += [("gemv", ("rows", bm) + t[:2] + (t[2], 1) + ((s, "fixup") if s > 1 else ()))
-                      for s in ROWS_SPLITS]
-            t = ROWS_TILES[bm][0]
-            c += [("gemv", ("rows", bm) + t[:2] + (t[2], 1, 4, "pass"))]
+                c += [("gemv", replace(t, split=s, reduce="fixup") if s > 1 else t) for s in ROWS_SPLITS]
+            c += [("gemv", replace(ROWS_TILES[bm][0], split=4, reduce="pass"))]
     if m >= 4:
         c += [("int8", cfg) for cfg in INT8_CONFIGS]
     return list(dict.fromkeys(c))
 
 
-def label(kind: str, cfg: tuple) -> str:
+def label(kind: str, cfg: GemvConfig | Int8GemmConfig) -> str:
     return f"{kind} {cfg}" if kind == "int8" else str(cfg)
 
 
-def family(kind: str, cfg: tuple) -> str:
+def family(kind: str, cfg: GemvConfig | Int8GemmConfig) -> str:
     if kind == "int8":
         return "int8"
-    if cfg[0] == "fma":
-        return "fma split" if len(cfg) > 6 else "fma"
-    return cfg[0]
+    if cfg.variant == "fma":
+        return "fma split" if cfg.split > 1 else "fma"
+    return cfg.variant
 
 
 # ------------------------------------------------------------------------------------ checks and runs
@@ -116,20 +141,21 @@ class Layer:
         self.w8s = [w8] + [w8.clone() for _ in range(self.c8 - 1)]
 
 
-def run_gemv(layer: Layer, xp: torch.Tensor, cfg: tuple, i: int = 0, out=None) -> torch.Tensor:
-    from bonsai_vllm.ternary.kernels import gemv
+def run_gemv(layer: Layer, xp: torch.Tensor, cfg: GemvConfig, i: int = 0, out=None) -> torch.Tensor:
+    from benchmarks.gemv_variants import ternary_gemv_variant  # the served gemv.ternary_gemv, or a measured variant
 
-    return gemv.ternary_gemv(xp, layer.tern[i][0], layer.tern[i][1], prepared=True, config=cfg, out=out)
+    return ternary_gemv_variant(xp, layer.tern[i][0], layer.tern[i][1], prepared=True, config=cfg, out=out)
 
 
-def run_int8(layer: Layer, xr: torch.Tensor, cfg: tuple, i: int = 0, out=None, qbm: int = 1) -> torch.Tensor:
+def run_int8(layer: Layer, xr: torch.Tensor, cfg: Int8GemmConfig, i: int = 0, out=None,
+             qbm: int = 1) -> torch.Tensor:
     from bonsai_vllm.ternary.kernels import hadamard, int8mm
 
     xq, ts = hadamard.quantize_per_token(xr, bm=qbm)
     return int8mm.int8_gemm(xq, layer.w8s[i], ts, layer.rs, config=cfg, out=out)
 
 
-def check(layer: Layer, m: int, kind: str, cfg: tuple, dev, seed: int) -> float:
+def check(layer: Layer, m: int, kind: str, cfg: GemvConfig | Int8GemmConfig, dev, seed: int) -> float:
     """Relative error against the float32 judge on fresh inputs, output poisoned (inf: poison left)."""
     from bonsai_vllm.ternary.kernels import gemv, hadamard
 
@@ -142,16 +168,17 @@ def check(layer: Layer, m: int, kind: str, cfg: tuple, dev, seed: int) -> float:
     return bk.rel(y, xr.float() @ layer.w_ref.t())
 
 
-def tol(kind: str, cfg: tuple) -> float:
-    t = INT8_TOL if kind == "int8" else (DOT_TOL if cfg[0] == "dot" else FMA_TOL)
+def tol(kind: str, cfg: GemvConfig | Int8GemmConfig) -> float:
+    t = INT8_TOL if kind == "int8" else (DOT_TOL if cfg.variant == "dot" else FMA_TOL)
     return 2 * t if bk.SMOKE and t < INT8_TOL else t  # the interpreter's float32 -> bf16 truncates
 
 
-def bench_one(layer: Layer, m: int, kind: str, cfg: tuple, dev, seed: int, xr: torch.Tensor, xps: dict,
+def bench_one(layer: Layer, m: int, kind: str, cfg: GemvConfig | Int8GemmConfig, dev, seed: int, xr: torch.Tensor,
+              xps: dict,
               quant_us: float | None) -> dict:
     from bonsai_vllm.ternary.kernels import gemv
 
-    rec = dict(kind=kind, cfg=list(cfg), label=label(kind, cfg), family=family(kind, cfg))
+    rec = dict(kind=kind, cfg=asdict(cfg), label=label(kind, cfg), family=family(kind, cfg))
     err = check(layer, m, kind, cfg, dev, seed)
     rec["err"] = err
     if not err < tol(kind, cfg):
@@ -263,7 +290,8 @@ def warm_tasks(dev: str = "cuda") -> list:
     seen, tasks = set(), []
     for m in MS:
         for kind, cfg in candidates(m, 5120) + candidates(m, 17408):
-            key = (kind, cfg[:6] + ((cfg[7] if cfg[6] > 1 else "-"),) if len(cfg) > 6 else cfg)
+            # one compile per specialization: the split count is a runtime argument, its reduction is not
+            key = (kind, replace(cfg, split=min(cfg.split, 2)) if kind == "gemv" else cfg)
             if key in seen:
                 continue
             seen.add(key)

@@ -32,7 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bonsai_vllm.comm.kernels import Tiles
 from bonsai_vllm.ternary.format import pack_ternary
+from bonsai_vllm.ternary.kernels.gemv import GemvConfig
+from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig
 from bonsai_vllm.ternary.reference import signed_block_hadamard
 from bonsai_vllm.ternary.reference import dequantize, int8_decompose
 
@@ -44,12 +47,27 @@ DECODE_MS = [m for m in MS if m <= 64]
 PREFILL_MS = [m for m in MS if m >= 64]
 INT8_MIN_M = 4  # batch sizes from which the int8 path (W8 kept at load) is timed too
 
-FMA_SWEEP = [("fma", 1, 32, 32, 4, 1), ("fma", 1, 64, 32, 4, 1), ("fma", 1, 16, 32, 2, 1), ("fma", 1, 32, 32, 2, 1),
-             ("fma", 1, 64, 32, 8, 1), ("fma", 1, 128, 32, 8, 1), ("fma", 1, 16, 32, 1, 1), ("fma", 1, 32, 16, 2, 1)]
-DOT_SWEEP = [(32, 16, 2, 3), (32, 16, 4, 3), (32, 32, 4, 2), (64, 32, 4, 2), (16, 16, 1, 3)]  # (BN, BW, warps, stages)
-DOT_SWEEP_BIG_M = [(32, 16, 2, 3), (64, 32, 4, 2)]
-GEMM_SWEEP = [(128, 128, 64, 8, 4, 4), (64, 128, 128, 8, 4, 4), (128, 128, 128, 8, 8, 4), (128, 256, 64, 8, 8, 3),
-              (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3)]  # (BM, BN, BK, GROUP_M, warps, stages)
+FMA_SWEEP = [GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=4, stages=1),
+             GemvConfig(variant="fma", bm=1, bn=64, bw=32, warps=4, stages=1),
+             GemvConfig(variant="fma", bm=1, bn=16, bw=32, warps=2, stages=1),
+             GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1),
+             GemvConfig(variant="fma", bm=1, bn=64, bw=32, warps=8, stages=1),
+             GemvConfig(variant="fma", bm=1, bn=128, bw=32, warps=8, stages=1),
+             GemvConfig(variant="fma", bm=1, bn=16, bw=32, warps=1, stages=1),
+             GemvConfig(variant="fma", bm=1, bn=32, bw=16, warps=2, stages=1)]
+DOT_SWEEP = [dict(bn=32, bw=16, warps=2, stages=3), dict(bn=32, bw=16, warps=4, stages=3),
+             dict(bn=32, bw=32, warps=4, stages=2), dict(bn=64, bw=32, warps=4, stages=2),
+             dict(bn=16, bw=16, warps=1, stages=3)]  # GemvConfig fields of "dot" but bm (_bm_for(M))
+DOT_SWEEP_BIG_M = [dict(bn=32, bw=16, warps=2, stages=3), dict(bn=64, bw=32, warps=4, stages=2)]
+GEMM_SWEEP = [Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=4, stages=4),
+              Int8GemmConfig(bm=64, bn=128, bk=128, group_m=8, warps=4, stages=4),
+              Int8GemmConfig(bm=128, bn=128, bk=128, group_m=8, warps=8, stages=4),
+              Int8GemmConfig(bm=128, bn=256, bk=64, group_m=8, warps=8, stages=3),
+              Int8GemmConfig(bm=64, bn=128, bk=64, group_m=8, warps=4, stages=4),
+              Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=8, stages=3)]
+ALLREDUCE_TILES = [Tiles(rows=4, groups=8)]  # comm.kernels._tiles' choice; --sweep adds the others
+ALLREDUCE_SWEEP = [Tiles(rows=2, groups=8), Tiles(rows=8, groups=8), Tiles(rows=4, groups=4), Tiles(rows=16, groups=4),
+                   Tiles(rows=8, groups=16)]
 QUANT_BMS = [1, 2, 4]
 DOT_TOL = 5e-3  # relative error allowed to the GEMV's tensor-core path (three bf16 roundings)
 
@@ -63,7 +81,7 @@ def gemv_configs(m: int, sweep: bool, n: int = 0, k: int = 0) -> list:
             cfgs += FMA_SWEEP
         if m == 4:
             cfgs += FMA_SWEEP[:2]
-        cfgs += [("dot", _bm_for(m)) + c for c in (DOT_SWEEP if m <= 16 else DOT_SWEEP_BIG_M)]
+        cfgs += [GemvConfig(variant="dot", bm=_bm_for(m), **c) for c in (DOT_SWEEP if m <= 16 else DOT_SWEEP_BIG_M)]
     return list(dict.fromkeys(cfgs))
 
 
@@ -132,12 +150,13 @@ def check_gemv(packed, scales, w_ref, m, config, device, seed, verbose=True, nam
 
     n, k = w_ref.shape
     x = randn(m, k, device=device, seed=seed)
-    dt = x_dtype(config or default_config(m, n, k))
+    cfg = config or default_config(m, n, k)
+    dt = x_dtype(cfg)
     y = ternary_gemv(gemv_order(x, dtype=dt) if prepared else x, packed, scales, prepared=prepared,
                      out=nan(m, n, device=device), config=config)
     tag = "" if prepared else " (unprepared x)"
     # fma: one bf16 rounding (the output). dot: three (x', weight × scale, output): √3 × 1.7e-3 ≈ 2.9e-3.
-    tol = 3e-3 if (config or default_config(m, n, k))[0] == "fma" else DOT_TOL
+    tol = 3e-3 if cfg.variant == "fma" else DOT_TOL
     return check(f"gemv {name} M={m} {config}{tag}", rel(y, x.float() @ w_ref.t()), tol, verbose)
 
 
@@ -397,8 +416,8 @@ def _bench_m(name, k, n, m, bw, device, sweep, seed, rows, sweep_rows, packed, s
             cands["int8 int_mm"] = row["quant_us"] + t_mm
             row["int_mm_us"] = t_mm
         best = None
-        backend, dcfg = int8mm.default_config(m, n, k)
-        for cfg in dict.fromkeys(([dcfg] if dcfg else []) + (GEMM_SWEEP if sweep else [])):
+        dcfg = int8mm.default_config(m, n, k)
+        for cfg in dict.fromkeys(([dcfg] if dcfg.backend == "triton" else []) + (GEMM_SWEEP if sweep else [])):
             try:
                 if not check_prefill(packed, scales, w_ref, m, device, seed + 11, False, name, cfg):
                     continue
@@ -407,7 +426,7 @@ def _bench_m(name, k, n, m, bw, device, sweep, seed, rows, sweep_rows, packed, s
                 say(f"  int8_gemm {name} M={m} {cfg}: {type(e).__name__}: {str(e)[:200]}")
                 continue
             sweep_rows.append(f"int8_gemm {name} K={k} N={n} M={m} {cfg}: {t:.2f} us")
-            cands[f"int8 triton {cfg}"] = row["quant_us"] + t
+            cands[f"int8 {cfg}"] = row["quant_us"] + t
             best = (t, cfg) if best is None or t < best[0] else best
         if best is not None:
             row["triton_gemm_us"], row["triton_gemm_cfg"] = best
@@ -419,8 +438,7 @@ def _bench_m(name, k, n, m, bw, device, sweep, seed, rows, sweep_rows, packed, s
     if m <= linear.GEMV_MAX_M:
         disp = f"gemv {gemv.default_config(m, n, k)}"
     else:
-        backend, dcfg = int8mm.default_config(m, n, k)
-        disp = "int8 int_mm" if backend == "int_mm" else f"int8 triton {dcfg}"
+        disp = f"int8 {int8mm.default_config(m, n, k)}"  # "int8 int_mm" or "int8 triton bm=…"
     row["best_us"], row["best_path"] = min((v, kk) for kk, v in cands.items())
     row["ours_us"], row["path"] = (cands[disp], disp) if disp in cands else (row["best_us"], row["best_path"])
     rows.append(row)
@@ -470,7 +488,7 @@ def bench_elementwise(bw, l2, device, sweep: bool, rows: list, sweep_rows: list)
     packed = [torch.stack([allreduce.pack(xs[i]), allreduce.pack(xs[(i + 1) % c])]) for i in range(c)]
     best = None
     default_tiles = allreduce._tiles
-    for tiles in ([(4, 8)] + ([(2, 8), (8, 8), (4, 4), (16, 4), (8, 16)] if sweep else [])):
+    for tiles in ALLREDUCE_TILES + (ALLREDUCE_SWEEP if sweep else []):
         allreduce._tiles = lambda m_, n_, t_=tiles: t_  # noqa: E731 - sweep the tile shape in place
         try:
             tp = time_graph(lambda i: allreduce.pack(xs[i], out=bufs[i]), c, calls_for(20))
@@ -609,7 +627,7 @@ def warm_tasks(sweep: bool, dev: str = "cuda") -> list:
     for cfg in (GEMM_SWEEP if sweep else GEMM_SWEEP[:1]):
         tasks.append(lambda cfg=cfg: int8mm.int8_gemm(hadamard.quantize_per_token(x(64), signs)[0], w8,
                                                       torch.ones(64, device=dev), rs, config=cfg))
-    tiles = [(4, 8)] + ([(2, 8), (8, 8), (4, 4), (16, 4), (8, 16)] if sweep else [])
+    tiles = ALLREDUCE_TILES + (ALLREDUCE_SWEEP if sweep else [])
 
     def pack_unpack(t):
         allreduce._tiles = lambda m_, n_: t

@@ -6,8 +6,9 @@ One run:
 1. checks on fresh random data at real shapes (24 query / 4 KV heads and the TP=2 rank's 12 / 2,
    head_dim 256, 8k tokens of context + sinks + window, outputs poisoned first):
    - store kernel against reference.store_ref (bytes; codes may differ by one at rounding ties);
-   - decode kernel against reference.decode_ref for each unpack variant, grouped and one program per
-     query head, K3V2 and K2V2, 1 and 2 query positions (MTP verify rows);
+   - decode kernel against reference.decode_ref for each unpack variant (the served one, and the measured
+     ones of benchmarks/kv_variants.py), grouped and one program per query head, K3V2 and K2V2, 1 and 2
+     query positions (MTP verify rows);
    - the GQA trap: a head tile of 8 over groups of 6 must be caught by the same comparison;
    - the whole layer (LayerKVCache, kernels) against the same layer on the reference, with flushes;
    a failed check is printed and makes the exit status 1; a variant that fails is not timed;
@@ -38,8 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels import time_eager, time_graph
+from benchmarks.kv_variants import DecodeVariant
 from bonsai_vllm.kv import reference as ref
 from bonsai_vllm.kv.format import K2V2, K3V2, KVFormat
+from bonsai_vllm.kv.kernels.decode import DecodeConfig
 
 D = 256
 SHAPES = {"full": (24, 4), "rank": (12, 2)}  # (query heads, KV heads): whole model, one TP=2 rank
@@ -52,8 +55,10 @@ FAILURES: list[str] = []
 CFG_OK: dict[tuple, bool] = {}
 
 
-def _cfg_key(cfg: dict) -> tuple:
-    return (cfg["unpack"], cfg["block_n"], cfg["warps"], cfg.get("stages"), cfg.get("ilp", 1))
+def _cfg_key(cfg: DecodeVariant) -> tuple:
+    """What compiles and is checked (the split target only changes the grid)."""
+    return (cfg.unpack, cfg.config.block_n, cfg.config.warps, cfg.config.stages, int(cfg.ilp))
+
 LOG: list[str] = []
 T0 = time.time()
 
@@ -175,6 +180,7 @@ def check_store(dev: str, t: int = 4096) -> None:
 
 
 def check_decode(dev: str, ctx: int = 8192, variants=(0, 1, 2), quick: bool = False) -> dict[int, bool]:
+    from benchmarks.kv_variants import decode_variant
     from bonsai_vllm.kv.kernels.decode import decode
 
     say("decode kernel vs reference.decode_ref (8k tokens + sinks + window)")
@@ -194,7 +200,8 @@ def check_decode(dev: str, ctx: int = 8192, variants=(0, 1, 2), quick: bool = Fa
         want = ref.decode_ref(*cx.args(0))
         out = torch.full_like(want, float("nan"))
         try:
-            decode(*cx.args(0), grouped=grouped, unpack=unpack, num_splits=7, out=out)
+            decode_variant(*cx.args(0), variant=DecodeVariant(unpack=unpack),
+                           heads_per_program=None if grouped else 1, num_splits=7, out=out)
             err = ref.rel_err(out, want)
         except Exception as e:  # a variant that does not compile on this Triton is reported, not fatal
             err, msg = math.inf, f"{type(e).__name__}: {str(e)[:200]}"
@@ -212,8 +219,7 @@ def check_decode(dev: str, ctx: int = 8192, variants=(0, 1, 2), quick: bool = Fa
         if key in CFG_OK:
             continue
         try:
-            out = decode(*cx.args(0), unpack=cfg["unpack"], block_n=cfg["block_n"], num_warps=cfg["warps"],
-                         num_stages=cfg.get("stages"), ilp=bool(cfg.get("ilp", 1)), num_splits=7)
+            out = decode_variant(*cx.args(0), variant=cfg, num_splits=7)
             err = ref.rel_err(out, want)
         except Exception as e:
             err = math.inf
@@ -281,15 +287,15 @@ def copy_bandwidth(dev: str) -> dict:
     return out
 
 
-def time_decode(cx: Ctx, grouped: bool, cfg: dict, splits: int | None = None) -> float:
-    from bonsai_vllm.kv.kernels.decode import auto_splits, decode
+def time_decode(cx: Ctx, grouped: bool, cfg: DecodeVariant, splits: int | None = None) -> float:
+    from benchmarks.kv_variants import decode_variant
+    from bonsai_vllm.kv.kernels.decode import auto_splits
 
     # programs per split: one per KV head (grouped) or one per query head
-    s = splits or auto_splits(cx.nq, 1, cx.hkv if grouped else cx.hq, cfg["block_n"],
-                              target_programs=cfg.get("target", 528))
-    fns = [(lambda c=c: decode(*cx.args(c), grouped=grouped, num_splits=s, block_n=cfg["block_n"],
-                               unpack=cfg["unpack"], num_warps=cfg["warps"], num_stages=cfg.get("stages"),
-                               ilp=bool(cfg.get("ilp", 1))))
+    s = splits or auto_splits(cx.nq, 1, cx.hkv if grouped else cx.hq, cfg.config.block_n,
+                              target_programs=cfg.target)
+    fns = [(lambda c=c: decode_variant(*cx.args(c), variant=cfg, heads_per_program=None if grouped else 1,
+                                       num_splits=s))
            for c in calls(0, cx.copies)]
     return graph_time(fns)
 
@@ -305,24 +311,30 @@ def time_sdpa(hq: int, hkv: int, ctx: int, ql: int, dev: str) -> float:
     return graph_time(fns)
 
 
-# unpack, block_n, warps, stages (None: Triton's default), ilp, target programs (decode.auto_splits; since
-# run 2 it counts the bf16 part's program too). Run 2 (2026-11-29, H200, Triton 3.6) at 80k, full shape:
-# (2,128,4,2,0,264) 53.0 µs best; (2,128,4,None,0,264) 56.5; (2,128,4,None,0,528) 62.8; ILP 62.9;
-# BLOCK_N 64: 69.8-75.9; unpack 0: 104.7.
+# Candidates (benchmarks/kv_variants.DecodeVariant: DecodeConfig's block_n / warps / stages, stages None:
+# Triton's default; unpack, ilp; target programs of decode.auto_splits, since run 2 counting the bf16 part's
+# program too). Run 2 (2026-11-29, H200, Triton 3.6) at 80k, full shape, as (unpack, block_n, warps, stages,
+# ilp, target): (2,128,4,2,0,264) 53.0 µs best; (2,128,4,None,0,264) 56.5; (2,128,4,None,0,528) 62.8;
+# ILP 62.9; BLOCK_N 64: 69.8-75.9; unpack 0: 104.7.
+def _candidate(unpack: int, block_n: int, warps: int, stages: int | None, ilp: bool, target: int) -> DecodeVariant:
+    return DecodeVariant(DecodeConfig(block_n=block_n, warps=warps, stages=stages), unpack=unpack, ilp=ilp,
+                         target=target)
+
+
 SWEEP = [
-    dict(unpack=2, block_n=128, warps=4, stages=2, ilp=0, target=264),  # run 2's best
-    dict(unpack=2, block_n=128, warps=4, stages=None, ilp=0, target=264),
-    dict(unpack=2, block_n=64, warps=4, stages=None, ilp=1, target=264),
-    dict(unpack=2, block_n=64, warps=2, stages=None, ilp=1, target=528),
-    dict(unpack=2, block_n=64, warps=2, stages=None, ilp=0, target=528),
-    dict(unpack=2, block_n=128, warps=4, stages=None, ilp=0, target=528),
-    dict(unpack=2, block_n=64, warps=4, stages=None, ilp=1, target=528),
-    dict(unpack=2, block_n=64, warps=2, stages=None, ilp=1, target=1056),
-    dict(unpack=2, block_n=128, warps=4, stages=None, ilp=1, target=264),
-    dict(unpack=0, block_n=64, warps=4, stages=None, ilp=1, target=528),
+    _candidate(unpack=2, block_n=128, warps=4, stages=2, ilp=False, target=264),  # run 2's best (served)
+    _candidate(unpack=2, block_n=128, warps=4, stages=None, ilp=False, target=264),
+    _candidate(unpack=2, block_n=64, warps=4, stages=None, ilp=True, target=264),
+    _candidate(unpack=2, block_n=64, warps=2, stages=None, ilp=True, target=528),
+    _candidate(unpack=2, block_n=64, warps=2, stages=None, ilp=False, target=528),
+    _candidate(unpack=2, block_n=128, warps=4, stages=None, ilp=False, target=528),
+    _candidate(unpack=2, block_n=64, warps=4, stages=None, ilp=True, target=528),
+    _candidate(unpack=2, block_n=64, warps=2, stages=None, ilp=True, target=1056),
+    _candidate(unpack=2, block_n=128, warps=4, stages=None, ilp=True, target=264),
+    _candidate(unpack=0, block_n=64, warps=4, stages=None, ilp=True, target=528),
 ]
-PER_HEAD_SWEEP = [dict(unpack=2, block_n=128, warps=4, stages=None, ilp=0, target=528),
-                  dict(unpack=2, block_n=64, warps=2, stages=None, ilp=1, target=1056)]
+PER_HEAD_SWEEP = [_candidate(unpack=2, block_n=128, warps=4, stages=None, ilp=False, target=528),
+                  _candidate(unpack=2, block_n=64, warps=2, stages=None, ilp=True, target=1056)]
 
 
 PREFILL_CASES = [(8192, 512), (32768, 512), (130560, 512), (129024, 2048), (4000, 37), (40000, 20)]  # (ctx, QL)
@@ -382,8 +394,8 @@ def bench_prefill(dev: str) -> str:
     return "\n".join(lines)
 
 
-def sweep_configs(cx: Ctx, grouped: bool, cfgs: list[dict], label: str, stop_s: float | None = None,
-                  note=lambda t: "") -> list[tuple[float, dict]]:
+def sweep_configs(cx: Ctx, grouped: bool, cfgs: list[DecodeVariant], label: str, stop_s: float | None = None,
+                  note=lambda t: "") -> list[tuple[float, DecodeVariant]]:
     """Time decode with each configuration (one that raises is reported and skipped); stop past stop_s
     seconds of the run once something was timed. -> [(µs, cfg)]"""
     rows = []
@@ -409,7 +421,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick-checks", action="store_true", help="decode checks of the default variant only")
     ap.add_argument("--profile", metavar="JSON",
                     help="only run one 80k full-shape decode twice with this config (a bench-kv.json, whose "
-                         "'best' is used, or a config dict), for `ncu -k regex:_decode_kernel --launch-skip 1`")
+                         "'best' is used, or a config dict), for `ncu -k regex:_decode --launch-skip 1`")
     ap.add_argument("--prefill", action="store_true", help="check and time prefill rows only (see above)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -423,16 +435,16 @@ def main(argv=None) -> int:
         return _finish(args, {"prefill": True}, bench_prefill(dev))
 
     if args.profile:
-        from bonsai_vllm.kv.kernels.decode import auto_splits, decode
+        from benchmarks.kv_variants import decode_variant
+        from bonsai_vllm.kv.kernels.decode import auto_splits
 
         src = Path(args.profile)
-        cfg = json.loads(src.read_text()) if src.exists() else json.loads(args.profile)
-        cfg = cfg.get("best", cfg)
+        raw = json.loads(src.read_text()) if src.exists() else json.loads(args.profile)
+        cfg = DecodeVariant.from_dict(raw.get("best", raw))
         cx = Ctx(K3V2, 24, 4, CONTEXTS[-1], 1, dev=dev)
-        splits = auto_splits(cx.nq, 1, cx.hkv, cfg["block_n"], target_programs=cfg.get("target", 528))
+        splits = auto_splits(cx.nq, 1, cx.hkv, cfg.config.block_n, target_programs=cfg.target)
         for _ in range(2):
-            decode(*cx.args(0), num_splits=splits, block_n=cfg["block_n"], unpack=cfg["unpack"],
-                   num_warps=cfg["warps"], num_stages=cfg.get("stages"), ilp=bool(cfg.get("ilp", 1)))
+            decode_variant(*cx.args(0), variant=cfg, num_splits=splits)
         torch.cuda.synchronize()
         print(f"profiled config {cfg}, {splits} splits")
         return 0
@@ -481,9 +493,9 @@ def _run(args, dev, triton) -> int:
     per_head = [c for c in (PER_HEAD_SWEEP if not args.no_sweep else PER_HEAD_SWEEP[:1]) if CFG_OK.get(_cfg_key(c), False)]
     ph_rows = sweep_configs(cx, False, per_head, "per-head")
     best_ph = min(ph_rows, key=lambda r: r[0])[1] if ph_rows else best
-    results["sweep"] = [dict(cfg, us=t) for t, cfg in rows]
-    results["sweep_per_head"] = [dict(cfg, us=t) for t, cfg in ph_rows]
-    results["best"], results["best_per_head"] = best, best_ph
+    results["sweep"] = [dict(cfg.to_dict(), us=t) for t, cfg in rows]
+    results["sweep_per_head"] = [dict(cfg.to_dict(), us=t) for t, cfg in ph_rows]
+    results["best"], results["best_per_head"] = best.to_dict(), best_ph.to_dict()
     say(f"best grouped {best}, best per-head {best_ph} ({elapsed():.0f} s)")
     del cx
     if dev == "cuda":

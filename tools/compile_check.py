@@ -13,8 +13,8 @@ the K3V2 store, decode, merge and the prefill sub-rows) with CPU tensors, under 
 that names the target and never launches: each `kernel[grid](...)` becomes a warm-up compile, through
 Triton's own specialization, to PTX and then a cubin by the ptxas Triton ships. For every compiled kernel
 it reports shared memory, registers and spilled bytes (ptxas -v), and whether the launch fits the target.
-Output values are garbage (nothing runs); only the compiled code is looked at. Not compiled: the GEMV
-"rows" variant (`gemv._gemv_rows_kernel`), which bench_decode times but the dispatch never launches.
+Output values are garbage (nothing runs); only the compiled code is looked at. The package holds only
+kernels the dispatch launches (the measured-only variants are in benchmarks/), so every one is compiled:
 `tests/core/test_compile_check.py` runs this in CI and fails when a kernel is added without being driven here.
 """
 
@@ -87,12 +87,13 @@ _SPILL = re.compile(r"(\d+) bytes spill stores")
 @contextlib.contextmanager
 def compile_only(capability: int, results: list[Compiled]):
     """Every `jit_fn[grid](...)` inside compiles for `capability` (fresh cache, ptxas -v captured) and
-    returns without launching; `kernels._triton.usable` says yes to CPU tensors so dispatch takes the GPU
+    returns without launching; `triton_runtime.usable` says yes to CPU tensors so dispatch takes the GPU
     paths."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from bonsai_vllm.ternary.kernels import _triton, linear
+    from bonsai_vllm import triton_runtime as _triton
+    from bonsai_vllm.ternary.kernels import linear
 
     ptxas: dict[str, tuple[int, int]] = {}  # compiled kernel hash -> (registers, spilled bytes)
 
@@ -148,7 +149,7 @@ def drive_ternary() -> None:
             tw = prepare(packed, scales, None if rotated else signs, expand_int8=keep_w8)
             for m in rows:
                 ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
-                if default_config(m, n, k)[0] == "int_mm":  # on a GPU: cuBLAS _int_mm, then our rescale
+                if default_config(m, n, k).backend == "int_mm":  # on a GPU: cuBLAS _int_mm, then our rescale
                     rescale(torch.zeros(m, n, dtype=torch.int32), torch.ones(m), torch.ones(n))
 
 

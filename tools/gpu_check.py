@@ -192,7 +192,7 @@ class Checker:
                 ys = [linear.ternary_linear(slices[r], tws[r]) for r in range(ranks)]
             y = ys[0].float() + ys[1].float()
         rt = linear.route(m, tws[0])
-        bound = 3e-3 if rt.path == "gemv" and rt.config[0] == "fma" else (5e-3 if rt.path == "gemv" else 2e-2)
+        bound = 3e-3 if rt.path == "gemv" and rt.config.variant == "fma" else (5e-3 if rt.path == "gemv" else 2e-2)
         cut = ", cut block" if plans[0].cut else ""
         label = f"{name} {width}->{n}" + (f" (2 ranks{cut}, summed)" if ranks == 2 else "")
         label += f", W8 {'kept' if tws[0].w_int8 is not None else 'not kept'}"

@@ -9,14 +9,19 @@ import os
 import subprocess
 import sys
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.skipif(find_spec("triton") is None, reason="Triton is not installed")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path, code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_INTERPRET": "1"}
+    # tools/ is no installed package: the subprocess (run in tmp_path) finds it, and the plugin, from the tree
+    path = os.pathsep.join([str(REPO), str(REPO / "plugin")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_INTERPRET": "1",
+                                                                              "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
 

@@ -32,6 +32,9 @@ from bonsai_vllm.ternary.format import pack_ternary  # noqa: E402
 from bonsai_vllm.ternary.reference import signed_block_hadamard  # noqa: E402
 from bonsai_vllm.comm import kernels as allreduce  # noqa: E402
 from bonsai_vllm.ternary.kernels import gemv, hadamard, int8mm, linear  # noqa: E402
+from bonsai_vllm.ternary.kernels.gemv import GemvConfig  # noqa: E402
+from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig  # noqa: E402
+from benchmarks import gemv_variants  # noqa: E402  (the measured-only GEMV variants bench_decode times)
 from bonsai_vllm.ternary.reference import (  # noqa: E402
     dequantize,
     int8_decompose,
@@ -43,7 +46,8 @@ DEV = "cuda" if GPU else "cpu"
 BF16_TOL = 3e-3 if GPU else 6e-3  # relative Frobenius error of a bf16 output (see the module docstring)
 DOT_TOL = 5e-3 if GPU else 8e-3  # the GEMV's tensor-core path: bf16 x', weight × scale and output
 # the modules that hold @triton.jit functions
-_JIT_MODULES = [f"bonsai_vllm.ternary.kernels.{name}" for name in ("hadamard", "gemv", "int8mm")] + ["bonsai_vllm.comm.kernels"]
+_JIT_MODULES = [f"bonsai_vllm.ternary.kernels.{name}" for name in ("hadamard", "gemv", "int8mm")] + [
+    "bonsai_vllm.comm.kernels", "benchmarks.gemv_variants"]
 
 
 # decorated as interpreted functions: a later import must redo them
@@ -126,15 +130,24 @@ def test_quantize_per_token_matches_reference(rotate):
 
 # ------------------------------------------------------------------------------------------------ GEMV
 
-GEMV_CONFIGS = [("fma", 1, 16, 32, 4, 1), ("fma", 1, 32, 16, 4, 1),
-                ("dot", 16, 16, 32, 4, 1), ("dot", 32, 32, 16, 4, 1)]
+GEMV_CONFIGS = [GemvConfig(variant="fma", bm=1, bn=16, bw=32, warps=4, stages=1),
+                GemvConfig(variant="fma", bm=1, bn=32, bw=16, warps=4, stages=1),
+                GemvConfig(variant="dot", bm=16, bn=16, bw=32, warps=4, stages=1),
+                GemvConfig(variant="dot", bm=32, bn=32, bw=16, warps=4, stages=1)]
 
 
-GEMV_CASES = [(c, m) for c in GEMV_CONFIGS for m in ((1, 3) if c[0] == "fma" else (1, 3, 17))]
+GEMV_CASES = [(c, m) for c in GEMV_CONFIGS for m in ((1, 3) if c.variant == "fma" else (1, 3, 17))]
 
 
 def _case_id(v) -> str:
-    return "-".join(map(str, v[:4])) if isinstance(v, tuple) else str(v)
+    return f"{v.variant}-{v.bm}-{v.bn}-{v.bw}" if isinstance(v, GemvConfig) else str(v)
+
+
+def _gemv(*args, config: GemvConfig, **kw) -> torch.Tensor:
+    """The served gemv.ternary_gemv, or benchmarks/gemv_variants.py's for a measured-only variant."""
+    if config.variant == "rows" or config.reduce == "atomic":
+        return gemv_variants.ternary_gemv_variant(*args, config=config, **kw)
+    return gemv.ternary_gemv(*args, config=config, **kw)
 
 
 @pytest.mark.parametrize("config,m", GEMV_CASES, ids=_case_id)
@@ -146,16 +159,21 @@ def test_gemv_matches_reference(config, m):
     y = gemv.ternary_gemv(x, packed, scales, bias, out=_nan(m, n), config=config)
     ref = x @ dequantize(packed, scales, 128).t() + bias
     # fma: float32 x', exact decode, float32 sums. dot: x' and weight × scale in bf16 (the tensor cores).
-    assert _rel(y, ref) < (1e-5 if config[0] == "fma" else DOT_TOL)
+    assert _rel(y, ref) < (1e-5 if config.variant == "fma" else DOT_TOL)
 
 
 # Split-K and multi-row FMA variants: (config, M). K = 1152 is 72 words: 5 steps of BW = 16 (the last one
 # half masked), so a split of 2 or 3 leaves a short last slice; M = 5 with BM = 4 leaves a partial row tile.
-SPLIT_CASES = [(("fma", 1, 16, 16, 4, 1, 2, "fixup"), 1), (("fma", 1, 16, 16, 4, 1, 3, "fixup"), 2),
-               (("fma", 1, 32, 16, 2, 1, 3, "pass"), 1), (("fma", 1, 16, 16, 4, 1, 2, "atomic"), 3),
-               (("rows", 2, 16, 16, 4, 1), 2), (("rows", 4, 16, 32, 4, 1), 5),
-               (("rows", 4, 16, 16, 4, 1, 3, "fixup"), 5), (("rows", 2, 32, 16, 2, 1, 2, "pass"), 3),
-               (("rows", 4, 16, 16, 4, 1, 2, "atomic"), 4)]
+# "rows" and the "atomic" reduction are benchmarks/gemv_variants.py's (measured, not dispatched).
+SPLIT_CASES = [(GemvConfig(variant="fma", bm=1, bn=16, bw=16, warps=4, stages=1, split=2, reduce="fixup"), 1),
+               (GemvConfig(variant="fma", bm=1, bn=16, bw=16, warps=4, stages=1, split=3, reduce="fixup"), 2),
+               (GemvConfig(variant="fma", bm=1, bn=32, bw=16, warps=2, stages=1, split=3, reduce="pass"), 1),
+               (GemvConfig(variant="fma", bm=1, bn=16, bw=16, warps=4, stages=1, split=2, reduce="atomic"), 3),
+               (GemvConfig(variant="rows", bm=2, bn=16, bw=16, warps=4, stages=1), 2),
+               (GemvConfig(variant="rows", bm=4, bn=16, bw=32, warps=4, stages=1), 5),
+               (GemvConfig(variant="rows", bm=4, bn=16, bw=16, warps=4, stages=1, split=3, reduce="fixup"), 5),
+               (GemvConfig(variant="rows", bm=2, bn=32, bw=16, warps=2, stages=1, split=2, reduce="pass"), 3),
+               (GemvConfig(variant="rows", bm=4, bn=16, bw=16, warps=4, stages=1, split=2, reduce="atomic"), 4)]
 
 
 @pytest.mark.parametrize("config,m", SPLIT_CASES, ids=_case_id)
@@ -164,12 +182,12 @@ def test_gemv_split_and_rows_match_reference(config, m):
     packed, scales, _ = _layer(n, k, 80)
     x, bias = _x(m, k, 81), _x(1, n, 82)[0]
     ref = x @ dequantize(packed, scales, 128).t() + bias
-    y = gemv.ternary_gemv(x, packed, scales, bias, out=_nan(m, n), config=config)
+    y = _gemv(x, packed, scales, bias, out=_nan(m, n), config=config)
     assert _rel(y, ref) < 1e-5  # float32 x', exact decode, float32 partial sums
-    if len(config) > 6 and config[7] == "fixup":
+    if config.split > 1 and config.reduce == "fixup":
         # every tile's arrival counter is back at zero, and the in-order sum of the partials is deterministic
         assert not gemv._COUNTERS[y.device].any()
-        assert torch.equal(gemv.ternary_gemv(x, packed, scales, bias, config=config), y)
+        assert torch.equal(_gemv(x, packed, scales, bias, config=config), y)
 
 
 @pytest.mark.parametrize("reduce", ["fixup", "pass", "atomic"])
@@ -180,11 +198,12 @@ def test_gemv_split_dropping_a_slice_is_caught(monkeypatch, variant, reduce):
     packed, scales, _ = _layer(n, k, 83)
     x = _x(m, k, 84)
     ref = x @ dequantize(packed, scales, 128).t()
-    config = (variant, 2, 16, 16, 4, 1, 3, reduce)
-    assert _rel(gemv.ternary_gemv(x, packed, scales, out=_nan(m, n), config=config), ref) < 1e-5
+    config = GemvConfig(variant=variant, bm=2 if variant == "rows" else 1, bn=16, bw=16, warps=4, stages=1, split=3,
+                        reduce=reduce)
+    assert _rel(_gemv(x, packed, scales, out=_nan(m, n), config=config), ref) < 1e-5
     good = gemv.split_plan
     monkeypatch.setattr(gemv, "split_plan", lambda kw, bw, split: (good(kw, bw, split)[0], good(kw, bw, split)[1] - 1))
-    y = gemv.ternary_gemv(x, packed, scales, out=_nan(m, n), config=config)
+    y = _gemv(x, packed, scales, out=_nan(m, n), config=config)
     assert torch.isfinite(y).all() and _rel(y, ref) > 0.1  # a fifth of K missing: far outside any tolerance
 
 
@@ -236,10 +255,11 @@ def test_int8_gemm_matches_int8_reference(rotated):
     xq, ts = hadamard.quantize_per_token(signed_block_hadamard(x, signs, 1024) if rotated else x,
                                          None if rotated else signs)
     y = int8mm.int8_gemm(xq, w8.to(DEV), ts, rs.to(DEV), None, torch.float32, out=_nan(m, n),
-                         config=(32, 32, 128, 2, 4, 1))
+                         config=Int8GemmConfig(bm=32, bn=32, bk=128, group_m=2, warps=4, stages=1))
     ref = ternary_linear_int8_ref(x, w8.to(DEV), rs.to(DEV), signs, 1024)
     assert _rel(y, ref) < 1e-3  # the same int8 maths; only a rare .5 tie in the quantization may differ
-    # and the int8 path against the float32 judge: per-token int8 costs about 1% (report 000: 9.5e-3)
+    # and the int8 path against the float32 judge: per-token int8 costs about 1%
+    # (report 000 §4, docs/field-reports.md: 9.5e-3)
     assert _rel(y, ternary_linear_ref(x, packed, scales, signs, 128, 1024)) < 2e-2
 
 
@@ -315,7 +335,7 @@ def test_ternary_linear_dispatch_matches_reference(m, w8):
     # beyond; the int8 path (with W8 kept: from M = 3; else beyond 64 rows) ~1%.
     gemv_path = m <= (linear.GEMV_MAX_M if w8 else linear.GEMV_MAX_M_NO_W8)
     cfg = gemv.default_config(m, 96, 2048)
-    tol = (DOT_TOL if cfg[0] == "dot" else 1e-5) if gemv_path else 2e-2
+    tol = (DOT_TOL if cfg.variant == "dot" else 1e-5) if gemv_path else 2e-2
     assert _rel(y, ref) < tol
     xr = signed_block_hadamard(x, signs, 1024)
     assert _rel(linear.ternary_linear(xr, tw, rotated=True), ref) < max(tol, DOT_TOL)

@@ -21,9 +21,11 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernels are optional, the reference is used")
 
-from bonsai_vllm.kv import decode as dec  # noqa: E402
+from benchmarks import kv_variants  # noqa: E402  (the measured-only decode variants bench_kv times)
 from bonsai_vllm.kv import reference as ref  # noqa: E402
-from bonsai_vllm.kv import store as st  # noqa: E402
+from bonsai_vllm.kv.kernels import decode as dec  # noqa: E402
+from bonsai_vllm.kv.kernels import store as st  # noqa: E402
+from bonsai_vllm.kv.kernels.decode import DecodeConfig  # noqa: E402
 from bonsai_vllm.kv.cache import LayerKVCache  # noqa: E402
 from bonsai_vllm.kv.format import K2V2, K3V2  # noqa: E402
 from bonsai_vllm.kv.rotation import KVRotation  # noqa: E402
@@ -35,7 +37,8 @@ SM = D ** -0.5
 TOL = 2e-3  # decode: fp16 rounding of the scaled query (measured ~4e-4)
 
 
-_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.kv.kernels.{name}" for name in ("store", "decode")])
+_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.kv.kernels.{name}" for name in ("store", "decode")]
+                                               + ["benchmarks.kv_variants"])
 
 
 def _pages(fmt, hkv, lens, bs, seed, extra_blocks=3):
@@ -93,14 +96,22 @@ def test_store_rejects_mismatched_shapes():
 
 # --------------------------------------------------------------------------------------------- decode
 
+def _decode(args, block_n: int, unpack: int = 2, ilp: bool = False, **kw):
+    """The served kernel (unpack 2, no ILP), or a measured-only variant of benchmarks/kv_variants.py."""
+    cfg = DecodeConfig(block_n=block_n)
+    if unpack == 2 and not ilp:
+        return dec.decode(*args, config=cfg, **kw)
+    return kv_variants.decode_variant(*args, variant=kv_variants.DecodeVariant(cfg, unpack=unpack, ilp=ilp), **kw)
+
+
 @pytest.mark.parametrize("unpack", [0, 1, 2])
 def test_decode_grouped_24q_4kv(unpack):
     """All 6 query heads of a KV head per program; two sequences of different lengths (one page
-    partly filled), several splits (one empty), the bf16 part, each unpack variant."""
+    partly filled), several splits (one empty), the bf16 part, each unpack variant (2 is the served one)."""
     args = _case(K3V2, 24, 4, lens=[100, 40], wins=[20, 5], ql=1, seed=unpack)
     want = ref.decode_ref(*args)
     out = torch.full_like(want, float("nan"))
-    dec.decode(*args, num_splits=4, block_n=16, unpack=unpack, out=out)
+    _decode(args, 16, unpack, num_splits=4, out=out)
     assert ref.rel_err(out, want) < TOL
 
 
@@ -109,7 +120,7 @@ def test_decode_verify_rows_and_k2v2():
     for fmt, ql, unpack in ((K3V2, 2, 2), (K2V2, 1, 2), (K2V2, 2, 0)):
         args = _case(fmt, 24, 4, lens=[70, 0], wins=[9, 2], ql=ql, seed=7)
         want = ref.decode_ref(*args)
-        out = dec.decode(*args, num_splits=3, block_n=32, unpack=unpack)
+        out = _decode(args, 32, unpack, num_splits=3)
         assert ref.rel_err(out, want) < TOL, (fmt.name, ql, unpack)
 
 
@@ -117,19 +128,19 @@ def test_decode_one_program_per_query_head():
     """The baseline: same kernel, a head tile of 1 (each program reads and unpacks the KV itself)."""
     args = _case(K3V2, 24, 4, lens=[40], wins=[6], ql=1, seed=11)
     want = ref.decode_ref(*args)
-    assert ref.rel_err(dec.decode(*args, grouped=False, num_splits=1, block_n=32), want) < TOL
+    assert ref.rel_err(_decode(args, 32, heads_per_program=1, num_splits=1), want) < TOL
 
 
 def test_decode_gqa_trap_is_caught():
-    """DESIGN's trap: a head tile that does not divide the group of 6 reads the wrong KV head for some
-    rows. The wrapper refuses it; forced, the comparison with the reference catches it; a tile of 3
-    (which divides 6) is right."""
+    """The trap of docs/design.md §1: a head tile that does not divide the group of 6 reads the wrong KV
+    head for some rows. The wrapper refuses it; forced, the comparison with the reference catches it; a
+    tile of 3 (which divides 6) is right."""
     args = _case(K3V2, 24, 4, lens=[60], wins=[4], ql=1, seed=13)
     want = ref.decode_ref(*args)
     with pytest.raises(ValueError, match="does not divide"):
         dec.decode(*args, heads_per_program=8)
-    assert ref.rel_err(dec.decode(*args, num_splits=1, block_n=32, heads_per_program=3), want) < TOL
-    bad = dec.decode(*args, num_splits=1, block_n=32, heads_per_program=8, _unsafe=True)
+    assert ref.rel_err(_decode(args, 32, num_splits=1, heads_per_program=3), want) < TOL
+    bad = _decode(args, 32, num_splits=1, heads_per_program=8, _unsafe=True)
     assert ref.rel_err(bad, want) > 0.1
 
 
@@ -150,4 +161,4 @@ def test_layer_with_kernels_matches_layer_on_reference():
         lk.append(b, k, k)
         lr.append(b, k, k)
     q = torch.randn(2, 2, 24, D, generator=g).bfloat16()
-    assert ref.rel_err(lk.attend(q, SM, num_splits=2, block_n=32), lr.attend(q, SM)) < TOL
+    assert ref.rel_err(lk.attend(q, SM, num_splits=2, config=DecodeConfig(block_n=32)), lr.attend(q, SM)) < TOL

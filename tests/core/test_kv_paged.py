@@ -12,7 +12,7 @@ import torch
 import interpreter_scope
 
 GPU = torch.cuda.is_available()
-KERNELS = [f"bonsai_vllm.kv.{name}" for name in ("store", "decode")]
+KERNELS = [f"bonsai_vllm.kv.kernels.{name}" for name in ("store", "decode")]
 if not GPU:  # before Triton is first imported: it reads the switch then, not per kernel
     interpreter_scope.enable()
 
@@ -232,7 +232,7 @@ def test_decode_kernel_long_split_keeps_small_contributions(ql):
 def test_prefill_row_kernel_long_context_keeps_small_contributions(monkeypatch):
     # A 512-token chunk at the real shape is 256 sub-rows: auto_splits gives them one split each. Here a few
     # sub-rows would get many short splits, so the split count is pinned to what the real chunk gets.
-    from bonsai_vllm.kv import decode as decode_module
+    from bonsai_vllm.kv.kernels import decode as decode_module
 
     monkeypatch.setattr(decode_module, "auto_splits", lambda *a, **k: LONG_SPLITS)
     n = 32768 + 6

@@ -1,7 +1,8 @@
 """Triton pack / unpack for the int8 all-reduce of `comm.reference` (its PyTorch code is the judge).
 
-Report 002 (§5) made prefill all-reduces 1.6-1.7× faster once pack and unpack were one Triton kernel each
-(0.47 → 0.018 ms and 0.57 → 0.018 ms against PyTorch). Same wire format and maths as comm.reference:
+Report 002 §5 (docs/field-reports.md) made prefill all-reduces 1.6-1.7× faster once pack and unpack were
+one Triton kernel each (0.47 → 0.018 ms and 0.57 → 0.018 ms against PyTorch). Same wire format and maths
+as comm.reference:
 
     pack(x [rows, n]) = uint8 [rows·n + rows·(n/128)·4]: all int8 codes, then all float32 scales
     q = round(x · (1 / scale)), scale = absmax of the 128-group / 127 (0 for an all-zero group)
@@ -15,6 +16,8 @@ and writes 2.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -66,9 +69,17 @@ if triton is not None:
                  mask=gmask[:, :, None])
 
 
-def _tiles(m: int, n: int) -> tuple[int, int]:
-    # (rows, groups) per program: 4 × 8 × 128 = 4096 values, 8 KB of bf16 per program.
-    return 4, 8
+@dataclass(frozen=True)
+class Tiles:
+    """The tile of one `_pack_kernel` / `_unpack_sum_kernel` program."""
+
+    rows: int  # rows of the payload per program
+    groups: int  # groups of 128 values of a row per program
+
+
+def _tiles(m: int, n: int) -> Tiles:
+    # 4 × 8 × 128 = 4096 values, 8 KB of bf16 per program.
+    return Tiles(rows=4, groups=8)
 
 
 def pack(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,9 +93,9 @@ def pack(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         raise ValueError(f"int8 all-reduce: last dimension {n} is not a multiple of the group size {GROUP}")
     nbytes = m * n + m * (n // GROUP) * 4
     buf = torch.empty(nbytes, dtype=torch.uint8, device=x.device) if out is None else out
-    br, bg = _tiles(m, n)
-    _pack_kernel[(triton.cdiv(m, br), triton.cdiv(n // GROUP, bg))](
-        x2, buf, m, n, x2.stride(0), BR=br, BG=bg, num_warps=4, enable_fp_fusion=False)
+    t = _tiles(m, n)
+    _pack_kernel[(triton.cdiv(m, t.rows), triton.cdiv(n // GROUP, t.groups))](
+        x2, buf, m, n, x2.stride(0), BR=t.rows, BG=t.groups, num_warps=4, enable_fp_fusion=False)
     return buf
 
 
@@ -97,9 +108,9 @@ def unpack_sum(packed: torch.Tensor, shape: tuple[int, int], *, out_dtype: torch
     if packed.dim() != 2 or packed.shape[1] != m * n + m * (n // GROUP) * 4 or packed.stride(1) != 1:
         raise ValueError(f"unpack_sum: packed {list(packed.shape)} does not hold [world, {m}·{n} + scales] bytes")
     y = torch.empty(m, n, dtype=out_dtype, device=packed.device) if out is None else out.view(m, n)
-    br, bg = _tiles(m, n)
-    _unpack_sum_kernel[(triton.cdiv(m, br), triton.cdiv(n // GROUP, bg))](
-        packed, y, packed.shape[0], m, n, packed.stride(0), y.stride(0), BR=br, BG=bg, num_warps=4,
+    t = _tiles(m, n)
+    _unpack_sum_kernel[(triton.cdiv(m, t.rows), triton.cdiv(n // GROUP, t.groups))](
+        packed, y, packed.shape[0], m, n, packed.stride(0), y.stride(0), BR=t.rows, BG=t.groups, num_warps=4,
         enable_fp_fusion=False)
     return y
 

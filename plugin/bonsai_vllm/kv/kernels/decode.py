@@ -7,9 +7,9 @@ Why grouped. Under GQA 6:1 one KV head serves 6 query heads. A kernel with one p
 (what vLLM's TurboQuant decode and the OSCAR PR do) reads and unpacks every KV tile 6 times; here one
 program takes a head tile of HT query heads (HT = group = 6: all of them) × QL query positions as the
 rows of a tensor-core product, so each tile of codes is read and unpacked once. The same kernel with
-HT = 1 is the one-program-per-query-head baseline the benchmark compares against.
+HT = 1 (`heads_per_program=1`) is the one-program-per-query-head baseline the benchmark compares against.
 
-The GQA trap (DESIGN §1): the program for head tile t reads KV head (t·HT) // group, which is right for
+The GQA trap (docs/design.md §1): the program for head tile t reads KV head (t·HT) // group, which is right for
 every row only if HT divides the group. `decode` refuses other tiles; `heads_per_program`
 (with `_unsafe=True`) exists so a test can show that the comparison with the reference catches it.
 
@@ -22,21 +22,20 @@ so a tile never straddles a page.
 Scores without dequantizing. k̂ = c·s + m per token, so q·k̂ = s·(q·c) + m·Σq: the product runs on the
 raw codes and the scale and min are applied per token afterwards (the same for p·v̂ = (p·s)·c + Σ p·m).
 
-Unpacking (format.py's planar pieces: dim P·i + j at bits 2i of byte j, P = D/4). Three variants; the
-H200 numbers are bench_kv's (run 2, 80k tokens, 24/4 heads, one layer) and offline SASS counts:
-- UNPACK = 0 ("cvt"): ((byte >> 2i) & 3) → integer-to-fp16 conversion; conversions issue at a quarter
-  of the integer rate on Hopper, and there are 2·D of them per token. 105 µs (BLOCK_N 64).
-- UNPACK = 1 ("bits"): no shift, no conversion: (byte & (3 << 2i)) is c·4^i < 1024, and the same bits
-  read as an fp16 are the subnormal c·4^i·2^-24, exact. The factor is folded into the query (q·4^-i,
-  exact) and into the final output (·2^24·4^-i). The third key bit is moved beside them with one
-  per-column shift, which keeps the compiler from unpacking in the operand layout (an extra round trip
-  of the fp16 tile through shared memory). Relies on the tensor cores taking fp16 subnormals as they
-  are: checked against the reference on the H200 (bench_kv). 105 µs (run 1, before the 2-D merge).
-- UNPACK = 2 (default): as 1, but the third key bit gets its own products (dims P·i + [0, P/2) against
-  bit 2i, the rest against bit 2i + 1, each half a K = 32 product with a query half pre-scaled by the
-  bit's power of two): only ANDs before the products, the byte tiles go to the operand layout directly.
-  53 µs (60 warp-instructions per token per KV head in the main loop; ~38 would keep pace with HBM).
-K tiles are loaded transposed ([dims, tokens]: the B operand of q·kᵀ as consumed), V tiles as they are.
+Unpacking (format.py's planar pieces: dim P·i + j at bits 2i of byte j, P = D/4): no shift, no
+conversion. (byte & (3 << 2i)) is c·4^i < 1024, and the same bits read as an fp16 are the subnormal
+c·4^i·2^-24, exact; the factor is folded into the query (q·4^-i, exact) and into the final output
+(·2^24·4^-i). The third key bit gets its own products (dims P·i + [0, P/2) against bit 2i, the rest
+against bit 2i + 1, each half a K = 32 product with a query half pre-scaled by the bit's power of two):
+only ANDs before the products, the byte tiles go to the operand layout directly. Relies on the tensor
+cores taking fp16 subnormals as they are: checked against the reference on the H200 (bench_kv). K tiles
+are loaded transposed ([dims, tokens]: the B operand of q·kᵀ as consumed), V tiles as they are. H200,
+bench_kv run 2 (80k tokens, 24/4 heads, one layer): 53 µs, 60 warp-instructions per token per KV head in
+the main loop (~38 would keep pace with HBM). What it was measured against lives in
+benchmarks/kv_variants.py (bench_kv still runs it): "cvt", ((byte >> 2i) & 3) → integer-to-fp16
+conversion, which issues at a quarter of the integer rate on Hopper, 2·D per token: 105 µs (BLOCK_N 64);
+"bits", the third key bit moved beside the low two by a per-column shift: 105 µs (run 1, before the 2-D
+merge); and independent per-piece product chains (ILP), which spilled at BLOCK_N 128: 62.9 µs.
 
 Accumulating. v̂ = c·s + m with codes c ∈ {0 … 3}: Σ p·s·c carries an offset of about 1.5·s·Σp per
 dimension that the min term Σ p·m cancels, so with diffuse attention over a long split the two are far
@@ -53,6 +52,8 @@ Centring the codes before the products instead (exact fp16 arithmetic on the bit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from bonsai_vllm.triton_runtime import require, tl, triton
@@ -62,36 +63,16 @@ from bonsai_vllm.kv.reference import LOG2E
 if triton is not None:
 
     @triton.jit
-    def _kcodes(lo, hi, i: tl.constexpr, jh, K_BITS: tl.constexpr, UNPACK: tl.constexpr):
-        """Key codes of piece i as fp16 [P, N] from bytes lo, hi [P, N] (jh [P, 1]: column in upper half).
-
-        The tiles are loaded transposed ([dims, tokens], the B operand of q · kᵀ as it is consumed), so
-        the compiler can keep the raw bytes in the operand layout and unpack them there instead of
-        round-tripping the unpacked fp16 tile through shared memory."""
-        if UNPACK == 0:
-            c = (lo >> (2 * i)) & 3
-            if K_BITS == 3:
-                c = c | (((hi >> (2 * i + jh)) & 1) << 2)
-            return c.to(tl.float16)
-        elif UNPACK == 2:  # low two bits only; the third goes through its own products (_hbits)
-            return (lo & (3 << (2 * i))).to(tl.int16).to(tl.float16, bitcast=True)
-        else:
-            c = lo & (3 << (2 * i))  # c_lo · 4^i
-            if K_BITS == 3:
-                c = c | ((hi & (1 << (2 * i + jh))) << (2 - jh))  # + 4·c_hi · 4^i
-            return c.to(tl.int16).to(tl.float16, bitcast=True)  # subnormal: c · 4^i · 2^-24
+    def _codes(b, i: tl.constexpr):
+        """Two-bit codes of piece i of bytes b (K's low bits or V) as fp16, unshifted: (b & (3 << 2i)) is
+        c·4^i < 1024, and the same bits read as an fp16 are the subnormal c·4^i·2^-24, exact (the factor is
+        taken out in the query and the output; see the module docstring)."""
+        return (b & (3 << (2 * i))).to(tl.int16).to(tl.float16, bitcast=True)
 
     @triton.jit
     def _hbits(hi, bit: tl.constexpr):
         """One bit plane of the third key bits, [W, N], as subnormal fp16 (bit value 2^bit · 2^-24)."""
         return (hi & (1 << bit)).to(tl.int16).to(tl.float16, bitcast=True)
-
-    @triton.jit
-    def _vcodes(v, i: tl.constexpr, UNPACK: tl.constexpr):
-        if UNPACK == 0:
-            return ((v >> (2 * i)) & 3).to(tl.float16)
-        else:
-            return (v & (3 << (2 * i))).to(tl.int16).to(tl.float16, bitcast=True)
 
     @triton.jit
     def _online(s, m_i, l_i):
@@ -109,7 +90,7 @@ if triton is not None:
                        stride_lb, stride_lt, stride_lh, BS: tl.constexpr, D: tl.constexpr, QL: tl.constexpr,
                        HT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, K_BITS: tl.constexpr,
                        OFF_HI: tl.constexpr, OFF_V: tl.constexpr, OFF_META: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, UNPACK: tl.constexpr, ILP: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
         # grid: (B, Hq / HT, NUM_SPLITS + 1). Rows r of a program: query position r // HT, head h0 + r % HT.
         P: tl.constexpr = D // 4
         W: tl.constexpr = D // 8
@@ -122,7 +103,6 @@ if triton is not None:
         head = h0 + r % HT
         rmask = r < QL * HT
         j = tl.arange(0, P)
-        jh = (j >= W).to(tl.int32)[:, None]  # [P, 1] dim in the upper half of a piece: third bit at 2i + 1
         q_rows = q_ptr + b * stride_qb + qpos[:, None] * stride_qt + head[:, None] * stride_qh + j[None, :]
 
         m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -139,16 +119,15 @@ if triton is not None:
             chunk = tl.cdiv(tl.cdiv(n, NUM_SPLITS), BLOCK_N) * BLOCK_N
             start = split * chunk
             end = tl.minimum(start + chunk, n)
-            # q pieces, scaled to log2 units; "bits" also folds the 4^-i of the unshifted codes in.
+            # q pieces, scaled to log2 units, with the 4^-i of the unshifted codes folded in.
             q0 = tl.load(q_rows, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
             q1 = tl.load(q_rows + P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
             q2 = tl.load(q_rows + 2 * P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
             q3 = tl.load(q_rows + 3 * P, mask=rmask[:, None], other=0.0).to(tl.float32) * qk_scale
-            if UNPACK >= 1:
-                q1 = q1 * 0.25
-                q2 = q2 * 0.0625
-                q3 = q3 * 0.015625
-            if UNPACK == 2 and K_BITS == 3:
+            q1 = q1 * 0.25
+            q2 = q2 * 0.0625
+            q3 = q3 * 0.015625
+            if K_BITS == 3:
                 # query halves for the third-bit products: dims P·i + [0, W) meet bit 2i (value 2^2i),
                 # dims P·i + [W, P) meet bit 2i + 1; scaled so that both give 4·c_hi·q (exact powers of 2)
                 jw = tl.arange(0, W)
@@ -166,65 +145,46 @@ if triton is not None:
             q2 = q2.to(tl.float16)
             q3 = q3.to(tl.float16)
             # Σ_d q_d of the effective (fp16) query, for the min term m · Σq
-            qsum = tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1) * (4.0 if UNPACK >= 1 else 1.0) \
-                + tl.sum(q2.to(tl.float32), axis=1) * (16.0 if UNPACK >= 1 else 1.0) \
-                + tl.sum(q3.to(tl.float32), axis=1) * (64.0 if UNPACK >= 1 else 1.0)
-            CF: tl.constexpr = 16777216.0 if UNPACK >= 1 else 1.0  # 2^24 for subnormal codes
-            # value pieces i: the subnormal codes are c · 4^i · 2^-24 (plain c with UNPACK 0)
+            qsum = tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1) * 4.0 \
+                + tl.sum(q2.to(tl.float32), axis=1) * 16.0 \
+                + tl.sum(q3.to(tl.float32), axis=1) * 64.0
+            CF: tl.constexpr = 16777216.0  # 2^24 for subnormal codes
+            # value pieces i: the subnormal codes are c · 4^i · 2^-24
             VF0: tl.constexpr = CF
-            VF1: tl.constexpr = 4194304.0 if UNPACK >= 1 else 1.0
-            VF2: tl.constexpr = 1048576.0 if UNPACK >= 1 else 1.0
-            VF3: tl.constexpr = 262144.0 if UNPACK >= 1 else 1.0
+            VF1: tl.constexpr = 4194304.0
+            VF2: tl.constexpr = 1048576.0
+            VF3: tl.constexpr = 262144.0
             for t0 in range(start, end, BLOCK_N):
                 pg = tl.load(bt_ptr + b * stride_btb + t0 // BS).to(tl.int64)
                 base = cache_ptr + pg * stride_cb + kvh * stride_ch
                 off = t0 % BS + tl.arange(0, BLOCK_N)
                 tok = t0 + tl.arange(0, BLOCK_N)
                 tm = (tok < end) & (tok >= Q_START)  # pages before Q_START hold the bf16 sinks' tokens
-                # K bytes as [P, BLOCK_N] (dims × tokens): see _kcodes
+                # K bytes as [P, BLOCK_N] (dims × tokens): the B operand of q · kᵀ as it is consumed, so the
+                # compiler keeps the raw bytes in the operand layout and unpacks them there
                 lo = tl.load(base + off[None, :] * P + j[:, None], mask=tm[None, :], other=0).to(tl.int32)
-                if K_BITS == 3 and UNPACK == 2:
+                if K_BITS == 3:
                     jw2 = tl.arange(0, W)
                     hi = tl.load(base + OFF_HI + off[None, :] * W + jw2[:, None], mask=tm[None, :], other=0).to(tl.int32)
-                elif K_BITS == 3:
-                    hi = tl.load(base + OFF_HI + off[None, :] * W + (j % W)[:, None], mask=tm[None, :],
-                                 other=0).to(tl.int32)
-                else:
-                    hi = lo
                 mp = (base + OFF_META + off * 8).to(tl.pointer_type(tl.float16))
                 ks = tl.load(mp, mask=tm, other=0.0).to(tl.float32) * CF
                 km = tl.load(mp + 1, mask=tm, other=0.0).to(tl.float32)
                 vs = tl.load(mp + 2, mask=tm, other=0.0).to(tl.float32)
                 vm = tl.load(mp + 3, mask=tm, other=0.0).to(tl.float32)
 
-                if ILP:
-                    # one product chain per piece, summed at the end: the four chains are independent,
-                    # so the tensor cores are not waiting on one 12-deep accumulation chain (decode is
-                    # latency-bound at 2 programs per SM)
-                    c0 = tl.dot(q0, _kcodes(lo, hi, 0, jh, K_BITS, UNPACK))
-                    c1 = tl.dot(q1, _kcodes(lo, hi, 1, jh, K_BITS, UNPACK))
-                    c2 = tl.dot(q2, _kcodes(lo, hi, 2, jh, K_BITS, UNPACK))
-                    c3 = tl.dot(q3, _kcodes(lo, hi, 3, jh, K_BITS, UNPACK))
-                    if UNPACK == 2 and K_BITS == 3:
-                        c0 = tl.dot(hb0, _hbits(hi, 1), tl.dot(ha0, _hbits(hi, 0), c0))
-                        c1 = tl.dot(hb1, _hbits(hi, 3), tl.dot(ha1, _hbits(hi, 2), c1))
-                        c2 = tl.dot(hb2, _hbits(hi, 5), tl.dot(ha2, _hbits(hi, 4), c2))
-                        c3 = tl.dot(hb3, _hbits(hi, 7), tl.dot(ha3, _hbits(hi, 6), c3))
-                    s = (c0 + c1) + (c2 + c3)
-                else:
-                    s = tl.dot(q0, _kcodes(lo, hi, 0, jh, K_BITS, UNPACK))
-                    s = tl.dot(q1, _kcodes(lo, hi, 1, jh, K_BITS, UNPACK), s)
-                    s = tl.dot(q2, _kcodes(lo, hi, 2, jh, K_BITS, UNPACK), s)
-                    s = tl.dot(q3, _kcodes(lo, hi, 3, jh, K_BITS, UNPACK), s)
-                    if UNPACK == 2 and K_BITS == 3:
-                        s = tl.dot(ha0, _hbits(hi, 0), s)
-                        s = tl.dot(hb0, _hbits(hi, 1), s)
-                        s = tl.dot(ha1, _hbits(hi, 2), s)
-                        s = tl.dot(hb1, _hbits(hi, 3), s)
-                        s = tl.dot(ha2, _hbits(hi, 4), s)
-                        s = tl.dot(hb2, _hbits(hi, 5), s)
-                        s = tl.dot(ha3, _hbits(hi, 6), s)
-                        s = tl.dot(hb3, _hbits(hi, 7), s)
+                s = tl.dot(q0, _codes(lo, 0))
+                s = tl.dot(q1, _codes(lo, 1), s)
+                s = tl.dot(q2, _codes(lo, 2), s)
+                s = tl.dot(q3, _codes(lo, 3), s)
+                if K_BITS == 3:
+                    s = tl.dot(ha0, _hbits(hi, 0), s)
+                    s = tl.dot(hb0, _hbits(hi, 1), s)
+                    s = tl.dot(ha1, _hbits(hi, 2), s)
+                    s = tl.dot(hb1, _hbits(hi, 3), s)
+                    s = tl.dot(ha2, _hbits(hi, 4), s)
+                    s = tl.dot(hb2, _hbits(hi, 5), s)
+                    s = tl.dot(ha3, _hbits(hi, 6), s)
+                    s = tl.dot(hb3, _hbits(hi, 7), s)
                 s = s * ks[None, :] + qsum[:, None] * km[None, :]
                 s = tl.where(tm[None, :], s, float("-inf"))
                 p, alpha, m_i, l_i = _online(s, m_i, l_i)
@@ -236,10 +196,10 @@ if triton is not None:
                 pvf = pv.to(tl.float32)
                 c15 = 1.5 * tl.sum(pvf, axis=1)[:, None]
                 pm = pm * alpha + tl.sum(p * vm[None, :] + 1.5 * pvf, axis=1)
-                acc0 = acc0 * alpha[:, None] + (tl.dot(pv, _vcodes(vv, 0, UNPACK)) * VF0 - c15)
-                acc1 = acc1 * alpha[:, None] + (tl.dot(pv, _vcodes(vv, 1, UNPACK)) * VF1 - c15)
-                acc2 = acc2 * alpha[:, None] + (tl.dot(pv, _vcodes(vv, 2, UNPACK)) * VF2 - c15)
-                acc3 = acc3 * alpha[:, None] + (tl.dot(pv, _vcodes(vv, 3, UNPACK)) * VF3 - c15)
+                acc0 = acc0 * alpha[:, None] + (tl.dot(pv, _codes(vv, 0)) * VF0 - c15)
+                acc1 = acc1 * alpha[:, None] + (tl.dot(pv, _codes(vv, 1)) * VF1 - c15)
+                acc2 = acc2 * alpha[:, None] + (tl.dot(pv, _codes(vv, 2)) * VF2 - c15)
+                acc3 = acc3 * alpha[:, None] + (tl.dot(pv, _codes(vv, 3)) * VF3 - c15)
             acc0 += pm[:, None]
             acc1 += pm[:, None]
             acc2 += pm[:, None]
@@ -305,6 +265,24 @@ if triton is not None:
         tl.store(o_ptr + row * D + d, acc / tl.where(den > 0, den, 1.0))
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch knobs of `_decode_kernel`. The defaults are what the served path runs: the H200 sweep's best
+    (bench_kv run 2: BLOCK_N 128, 4 warps, 2 stages)."""
+
+    block_n: int | None = None  # page tokens per step; must divide the page size. None: the largest of
+    # 128 / 64 / 32 / 16 that does
+    block_w: int = 32  # bf16-window tokens per step
+    warps: int = 4  # num_warps
+    stages: int | None = 2  # num_stages (the page loop's pipelining); None: Triton's default
+
+    def tile(self, block_size: int) -> int:
+        """BLOCK_N for pages of block_size tokens."""
+        if self.block_n is None:  # the largest tile that divides the page (128 was fastest on the H200)
+            return next(n for n in (128, 64, 32, 16) if block_size % n == 0 or n == 16)
+        return self.block_n
+
+
 def auto_splits(max_tokens: int, batch: int, programs_per_split: int, block_n: int = 128,
                 target_programs: int = 264, min_chunk: int = 256, max_splits: int = 512) -> int:
     """Splits S of the quantized part so that batch · programs_per_split · (S + 1) programs (the + 1 is
@@ -320,23 +298,20 @@ def auto_splits(max_tokens: int, batch: int, programs_per_split: int, block_n: i
 
 def decode(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, n_quant: torch.Tensor,
            win_k: torch.Tensor, win_v: torch.Tensor, n_win: torch.Tensor, fmt: KVFormat, block_size: int,
-           sm_scale: float, *, grouped: bool = True, num_splits: int | None = None, block_n: int | None = None,
-           block_w: int = 32, unpack: int = 2, num_warps: int = 4, num_stages: int | None = 2, ilp: bool = False,
+           sm_scale: float, *, config: DecodeConfig | None = None, num_splits: int | None = None,
            out: torch.Tensor | None = None, heads_per_program: int | None = None, q_start: int = 0,
            _unsafe: bool = False) -> torch.Tensor:
     """Rotated queries q_rot [B, QL, Hq, D] -> rotated attention output [B, QL, Hq, D] float32.
 
     cache uint8 [num_blocks, Hkv, block_size · slot_bytes]; block_table int32 [B, max_blocks];
     n_quant int32 [B] tokens in pages; win_k/win_v bf16 [B, Hkv, Wcap, D] (rotated, contiguous last dim)
-    with n_win int32 [B] tokens (newest last, the QL query tokens among them). grouped=False runs one
-    program per query head (the baseline); heads_per_program sets the head tile directly (it must divide
-    the GQA group; `_unsafe=True` skips that check, for the test that shows the comparison catches it).
+    with n_win int32 [B] tokens (newest last, the QL query tokens among them). config: the launch knobs
+    (default DecodeConfig(), what the served path runs). heads_per_program sets the head tile (default: the
+    whole GQA group; 1 is the one-program-per-query-head baseline); it must divide the group (`_unsafe=True`
+    skips that check, for the test that shows the comparison catches it).
     q_start: page tokens [0, q_start) are skipped (a serving engine's pages hold every token, the sinks'
     too, while their bf16 copies are in the window), as in reference.decode_ref.
-    num_splits None picks auto_splits from n_quant (a host sync). unpack: 0 "cvt", 1 "bits", 2 "bits"
-    with the third key bit in its own products (fewest instructions; see the module docstring).
-    Defaults are the H200 sweep's best (bench_kv run 2): unpack 2, BLOCK_N 128, 4 warps, 2 stages, no
-    ILP split (independent per-piece product chains spilled at BLOCK_N 128 and were slower).
+    num_splits None picks auto_splits from n_quant (a host sync).
     """
     require()
     bsz, ql, hq, d = q_rot.shape
@@ -345,14 +320,14 @@ def decode(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
         raise ValueError(f"decode: q {tuple(q_rot.shape)}, cache {tuple(cache.shape)} do not match {fmt} / "
                          f"block_size {block_size}")
     group = hq // hkv
-    ht = heads_per_program or (group if grouped else 1)
+    ht = heads_per_program or group
     if group % ht and not _unsafe:
         raise ValueError(f"decode: a head tile of {ht} does not divide the GQA group of {group}: its rows "
                          "would read the wrong KV head")
     if hq % ht:
         raise ValueError(f"decode: {hq} query heads do not split into tiles of {ht}")
-    if block_n is None:  # the largest tile that divides the page (128 was fastest on the H200)
-        block_n = next(n for n in (128, 64, 32, 16) if block_size % n == 0 or n == 16)
+    c = config or DecodeConfig()
+    block_n = c.tile(block_size)
     if block_size % block_n:
         raise ValueError(f"decode: BLOCK_N {block_n} must divide the page size {block_size}")
     if q_rot.stride(-1) != 1 or win_k.stride(-1) != 1 or win_k.stride() != win_v.stride():
@@ -364,14 +339,14 @@ def decode(q_rot: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     dev = q_rot.device
     po = torch.empty(bsz, ql, hq, nparts, d, dtype=torch.float32, device=dev)
     pl = torch.empty(bsz, ql, hq, nparts, dtype=torch.float32, device=dev)
-    kw = {} if num_stages is None else {"num_stages": num_stages}
+    kw = {} if c.stages is None else {"num_stages": c.stages}
     _decode_kernel[(bsz, hq // ht, nparts)](
         q_rot, cache, block_table, n_quant, win_k, win_v, n_win, po, pl, sm_scale * LOG2E, num_splits, q_start,
         q_rot.stride(0), q_rot.stride(1), q_rot.stride(2), cache.stride(0), cache.stride(1), block_table.stride(0),
         win_k.stride(0), win_k.stride(1), win_k.stride(2), po.stride(0), po.stride(1), po.stride(2), po.stride(3),
         pl.stride(0), pl.stride(1), pl.stride(2), BS=block_size, D=d, QL=ql, HT=ht, GROUP=group, ROWS=rows, K_BITS=fmt.k_bits,
         **fmt.kernel_offsets(block_size),
-        BLOCK_N=block_n, BLOCK_W=block_w, UNPACK=unpack, ILP=int(ilp), num_warps=num_warps, **kw)
+        BLOCK_N=block_n, BLOCK_W=c.block_w, num_warps=c.warps, **kw)
     if out is None:
         out = torch.empty(bsz, ql, hq, d, dtype=torch.float32, device=dev)
     _merge_kernel[(bsz * ql * hq, d // 64)](po, pl, out, nparts, SP=max(16, triton.next_power_of_2(nparts)), D=d,

@@ -22,25 +22,27 @@ words [BN, BW] then meets x'[m, i, w0:w0+BW], a contiguous vector in the same la
 reshapes, no layout conversions (a first version that decoded to [BN, BW, 16] and reshaped spent 10×
 longer moving the tile through shared memory).
 
-Three variants:
+Two variants (`GemvConfig.variant`; `default_config` picks one per shape):
 - `fma` (M = 1, 2; more rows run as separate programs that share each weight tile through L2): float32
   FMAs into a [BN, BW] accumulator, times the exact float32 group scale once per word; weight loads
   double-buffered by hand (plain loads are not software-pipelined by Triton). Optionally split-K: program
-  (m, t, s) walks only slice s of K, and the float32 partials are summed by one of three reductions
+  (m, t, s) walks only slice s of K, and the float32 partials are summed by one of two reductions
   (`_epilogue`): "fixup" (one launch: each program stores its partial, counts itself in on its tile's
   counter, and the last to arrive sums the partials in slice order, deterministic, writes y and resets the
-  counter), "pass" (partials, then `_splitk_reduce_kernel`), "atomic" (fp32 atomic_add into a zeroed
-  buffer, then the same pass as a cast).
-- `rows` (measured, not dispatched): one program decodes a weight tile once and applies it to BM rows held
-  in registers (acc [BM, BN, BW]), 3 + BM instructions per weight instead of ~3.3·BM. It lost to `fma` at
-  M = 2 (1.1-1.3× slower) and to `dot` at M = 4 … 16 (1.0-1.4× at 4 rows, 1.4-2.7× at 8-16), its time
-  growing ~3× faster per row than the FFMA issue rate predicts: Triton loads each x' tile [BM, BW] in a
-  layout of its own and converts it to the accumulator's through shared memory, with two barriers per code
-  position (32 per step) that hold the warps in step (ptxas sm_90: STSM + LDSM + 2 BAR per x' load).
+  counter) or "pass" (partials, then `_splitk_reduce_kernel`).
 - `dot` (M >= 3 when W8 is not kept): each code position i is one tensor-core product [BN, BW] · [BW, BM]
   (16 per step), the decoded weights times their group scale as bf16 (the scale is rounded to bf16 there:
   relative 2^-9 per group, what dequantizing to bf16 does), x' in bf16; M padded to BM >= 16 (the decode
   is the cost).
+
+Measured and not dispatched, so kept in benchmarks/gemv_variants.py (bench_decode still times them): the
+"atomic" split-K reduction (fp32 atomic_add into a zeroed buffer, then a cast pass: slowest of the three
+everywhere), and `rows`, one program decoding a weight tile once for BM rows held in registers (acc
+[BM, BN, BW], 3 + BM instructions per weight instead of ~3.3·BM). `rows` lost to `fma` at M = 2
+(1.1-1.3× slower) and to `dot` at M = 4 … 16 (1.0-1.4× at 4 rows, 1.4-2.7× at 8-16), its time growing ~3×
+faster per row than the FFMA issue rate predicts: Triton loads each x' tile [BM, BW] in a layout of its own
+and converts it to the accumulator's through shared memory, with two barriers per code position (32 per
+step) that hold the warps in step (ptxas sm_90: STSM + LDSM + 2 BAR per x' load).
 
 Measured on the H200 (docs/benchmarks.md, `make bench-decode`): split-K took `fma` at M = 1 from 0.8-1.9×
 to 1.4-2.1× the speed of bf16 cuBLAS (down 33.7 -> 13.6 µs: 80 programs of 17 steps became 160 tiles × 6 slices
@@ -52,6 +54,8 @@ int8 GEMM (int8mm.py, BM = 16) is faster from M = 3 and linear.py takes it there
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -80,17 +84,15 @@ if triton is not None:
                   REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
         """Write one program's float32 sums v (any shape; y_off / ws_off / n_off / mask index it alike).
 
-        REDUCE 0: no split, v is the answer. 1: atomic_add into the zeroed float32 ws [M, N] (a cast pass
-        follows). 2: store the partial at ws[pid_s] [SPLIT, M, N] (a reduce pass follows). 3: store the
-        partial, then the program that finishes its tile last sums ws[0..SPLIT) in order (deterministic) and
-        writes y; it resets the tile's counter to 0 for the next launch.
+        REDUCE 0: no split, v is the answer. 2 ("pass"): store the partial at ws[pid_s] [SPLIT, M, N] (a
+        reduce pass follows). 3 ("fixup"): store the partial, then the program that finishes its tile last
+        sums ws[0..SPLIT) in order (deterministic) and writes y; it resets the tile's counter to 0 for the
+        next launch. (1, "atomic", is benchmarks/gemv_variants.py's.)
         """
         if REDUCE == 0:
             if HAS_BIAS:
                 v += tl.load(b_ptr + n_off, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_ptr + y_off, v.to(y_ptr.dtype.element_ty), mask=mask)
-        elif REDUCE == 1:
-            tl.atomic_add(ws_ptr + ws_off, v, mask=mask, sem="relaxed")
         else:
             tl.store(ws_ptr + pid_s * ws_split + ws_off, v, mask=mask)
             if REDUCE == 3:
@@ -144,48 +146,6 @@ if triton is not None:
         _epilogue(y, y_ptr, m * stride_ym + rn, ws_ptr, m * N + rn, tl.num_programs(0) * N, b_ptr, rn, nmask,
                   cnt_ptr, m * tl.num_programs(1) + pid_n, pid_s, nsplit, REDUCE, HAS_BIAS)
 
-    @triton.jit(do_not_specialize=["M", "ITERS", "nsplit"])
-    def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KW, ITERS, nsplit, stride_xm,
-                          stride_ym, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          REDUCE: tl.constexpr):
-        # grid: (cdiv(M, BM), cdiv(N, BN), SPLIT). One program decodes a [BN, BW] tile of W once per step
-        # and applies it to BM rows of x' held in registers: acc [BM, BN, BW] += W'_j ⊙ x'_j over the 16
-        # code positions j. The decoded weight is scaled once (one FMUL, shared by the BM rows) so each
-        # (weight, row) costs one FFMA: 3 + BM instructions per weight instead of ~3.3·BM for BM programs.
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        pid_n = tl.program_id(1)
-        pid_s = tl.program_id(2)
-        rn = pid_n * BN + tl.arange(0, BN)
-        mmask = rm < M
-        nmask = rn < N
-        G = KW // 8
-        k0 = pid_s * ITERS * BW
-        kend = tl.minimum(k0 + ITERS * BW, KW)
-        wcol = k0 + tl.arange(0, BW)
-        p, s = _word_tile(w_ptr, s_ptr, rn, nmask, wcol, kend, KW, G)  # [BN, BW] words and their scales
-        acc = tl.zeros([BM, BN, BW], dtype=tl.float32)
-        xrow = x_ptr + rm[:, None] * stride_xm  # [BM, 1]
-        for it in range(0, ITERS):
-            wnext = wcol + BW
-            p_next, s_next = _word_tile(w_ptr, s_ptr, rn, nmask, wnext, kend, KW, G)
-            lo = p | 0x4B000000
-            hi = (p >> 16) | 0x4B000000
-            sf = s.to(tl.float32)
-            xb = xrow + wcol[None, :]  # x'[m, 0, w] as [BM, BW]
-            xmask = mmask[:, None] & (wcol < kend)[None, :]
-            for j in tl.static_range(8):
-                # loaded 2-D and expanded: Triton then loads x' straight in the accumulator's layout
-                # (a [BM, 1, BW] load got its own layout and a shared-memory conversion per load)
-                xl = tl.load(xb + j * KW, mask=xmask, other=0.0)
-                xh = tl.load(xb + (j + 8) * KW, mask=xmask, other=0.0)
-                acc = tl.fma((_decode(lo, j) * sf)[None, :, :], xl[:, None, :], acc)
-                acc = tl.fma((_decode(hi, j) * sf)[None, :, :], xh[:, None, :], acc)
-            p, s, wcol = p_next, s_next, wnext
-        y = tl.sum(acc, axis=2)  # [BM, BN]
-        _epilogue(y, y_ptr, rm[:, None] * stride_ym + rn[None, :], ws_ptr, rm[:, None] * N + rn[None, :], M * N,
-                  b_ptr, rn[None, :], mmask[:, None] & nmask[None, :], cnt_ptr,
-                  tl.program_id(0) * tl.num_programs(1) + pid_n, pid_s, nsplit, REDUCE, HAS_BIAS)
-
     @triton.jit(do_not_specialize=["M", "nsplit"])
     def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, M, N, nsplit, stride_ym, BLOCK: tl.constexpr,
                               HAS_BIAS: tl.constexpr):
@@ -230,29 +190,61 @@ if triton is not None:
                  mask=mmask[None, :] & nmask[:, None])
 
 
-REDUCE = {"fixup": 3, "pass": 2, "atomic": 1}  # split-K reductions (see _epilogue), by name
+REDUCE = {"fixup": 3, "pass": 2}  # split-K reductions (see _epilogue), by name
 _COUNTERS: dict = {}  # device -> int32 [>= tiles] zeros: the "fixup" reduction's per-tile arrival counts
 
 
-# (variant, BM, BN, BW, num_warps, num_stages[, split, reduce]): the fastest checked configuration of the H200
-# run of bench_decode (2026-11-29; docs/benchmarks.md) at the 27B's per-rank TP=2 shapes, (M, N, K) -> config.
-# µs in the comments: that config / the one used before / bf16 cuBLAS. Where the best new candidate beat the
-# old path by less than 3 % (twice the run's repeat spread and more) the old path was kept.
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration of `ternary_gemv` (see the module docstring for the variants)."""
+
+    variant: str  # "fma" (float32 FMAs, one row of x' per program) or "dot" (tensor cores, BM rows per program)
+    bm: int  # rows of x' per program: 1 for "fma"; for "dot" the product's row tile (M padded to it, >= 16)
+    bn: int  # rows of W (outputs) per program
+    bw: int  # words of W per step along K (16 codes each)
+    warps: int  # num_warps
+    stages: int  # num_stages
+    split: int = 1  # "fma" only: K cut into up to this many slices, one program each (split_plan); 1: none
+    reduce: str | None = None  # how a split's float32 partials are summed: "fixup" or "pass" (see _epilogue)
+
+    def __post_init__(self):
+        if self.split > 1 and self.reduce is None:
+            raise ValueError(f"GemvConfig: split {self.split} needs a reduction (one of {sorted(REDUCE)})")
+
+    def __str__(self) -> str:
+        s = f"{self.variant} bm={self.bm} bn={self.bn} bw={self.bw} warps={self.warps} stages={self.stages}"
+        return s + (f" split={self.split} {self.reduce}" if self.split > 1 else "")
+
+
+# The fastest checked configuration of the H200 run of bench_decode (2026-11-29; docs/benchmarks.md) at the
+# 27B's per-rank TP=2 shapes, (M, N, K) -> config. µs in the comments: that config / the one used before /
+# bf16 cuBLAS. Where the best new candidate beat the old path by less than 3 % (twice the run's repeat spread
+# and more) the old path was kept.
 _MEASURED = {
-    (1, 17408, 5120): ("fma", 1, 32, 32, 2, 1, 8, "pass"),  # gate_up 21.2 / 24.1 / 44.8 (fixup: 21.6)
-    (1, 5120, 8704): ("fma", 1, 32, 32, 2, 1, 8, "fixup"),  # down 13.6 / 33.7 / 27.1
-    (1, 7168, 5120): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # qkv 12.5 / 18.7 / 22.9
-    (1, 5120, 3072): ("fma", 1, 64, 32, 4, 1, 4, "fixup"),  # o_proj, gdn_out 7.4 / 11.0 / 10.9
-    (1, 8192, 5120): ("fma", 1, 64, 32, 4, 1, 2, "fixup"),  # gdn_in 12.7 / 18.3 / 21.9
-    (2, 17408, 5120): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # 39.9 / 50.8 (dot) / 43.7
-    (2, 5120, 8704): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # 23.0 / 39.4 / 27.4
-    (2, 7168, 5120): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # 19.1 / 24.8 / 23.6
-    (2, 5120, 3072): ("fma", 1, 32, 32, 2, 1, 4, "fixup"),  # 10.3 / 14.4 / 10.2
-    (2, 8192, 5120): ("fma", 1, 32, 32, 2, 1),  # 20.1 / 25.0 / 22.6 (split 4: 21.3)
+    # gate_up 21.2 / 24.1 / 44.8 (fixup: 21.6)
+    (1, 17408, 5120): GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1, split=8, reduce="pass"),
+    # down 13.6 / 33.7 / 27.1
+    (1, 5120, 8704): GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1, split=8, reduce="fixup"),
+    # qkv 12.5 / 18.7 / 22.9
+    (1, 7168, 5120): GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1, split=4, reduce="fixup"),
+    # o_proj, gdn_out 7.4 / 11.0 / 10.9
+    (1, 5120, 3072): GemvConfig(variant="fma", bm=1, bn=64, bw=32, warps=4, stages=1, split=4, reduce="fixup"),
+    # gdn_in 12.7 / 18.3 / 21.9
+    (1, 8192, 5120): GemvConfig(variant="fma", bm=1, bn=64, bw=32, warps=4, stages=1, split=2, reduce="fixup"),
+    # 39.9 / 50.8 (dot) / 43.7
+    (2, 17408, 5120): GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1, split=4, reduce="fixup"),
+    # 23.0 / 39.4 / 27.4
+    (2, 5120, 8704): GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1, split=4, reduce="fixup"),
+    # 19.1 / 24.8 / 23.6
+    (2, 7168, 5120): GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1, split=4, reduce="fixup"),
+    # 10.3 / 14.4 / 10.2
+    (2, 5120, 3072): GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1, split=4, reduce="fixup"),
+    # 20.1 / 25.0 / 22.6 (split 4: 21.3)
+    (2, 8192, 5120): GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1),
 }
 
 
-def default_config(m: int, n: int, k: int) -> tuple:
+def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The GEMV configuration for a batch of m rows of a [n, k] layer: the measured winner at the 27B's
     shapes (_MEASURED), else by the same rules: split-K `fma` at M <= 2 (a slice of K per program, so the
     N = 5120 layers launch enough programs), the tensor-core `dot` beyond (at M = 4 … 16 it still beat the
@@ -262,20 +254,25 @@ def default_config(m: int, n: int, k: int) -> tuple:
         return _MEASURED[(m, n, k)]
     if m <= 2:
         if m == 1 and k <= 3072:
-            return ("fma", 1, 64, 32, 4, 1, 4, "fixup")
-        return ("fma", 1, 32, 32, 2, 1, 8 if m == 1 and k > 5120 else 4, "fixup")
+            return GemvConfig(variant="fma", bm=1, bn=64, bw=32, warps=4, stages=1, split=4, reduce="fixup")
+        return GemvConfig(variant="fma", bm=1, bn=32, bw=32, warps=2, stages=1, split=8 if m == 1 and k > 5120 else 4,
+                          reduce="fixup")
     if m <= 8:
-        return ("dot", 16, 16, 16, 1, 3)
+        return GemvConfig(variant="dot", bm=16, bn=16, bw=16, warps=1, stages=3)
     if m <= 16:
-        return ("dot", 16, 32, 16, 2, 3) if n > 5120 else ("dot", 16, 16, 16, 1, 3)
+        if n > 5120:
+            return GemvConfig(variant="dot", bm=16, bn=32, bw=16, warps=2, stages=3)
+        return GemvConfig(variant="dot", bm=16, bn=16, bw=16, warps=1, stages=3)
     if m <= 32:
-        return ("dot", 32, 32, 16, 2, 3)
-    return ("dot", 64, 32, 16, 2, 3) if n > 8192 else ("dot", 64, 64, 32, 4, 2)
+        return GemvConfig(variant="dot", bm=32, bn=32, bw=16, warps=2, stages=3)
+    if n > 8192:
+        return GemvConfig(variant="dot", bm=64, bn=32, bw=16, warps=2, stages=3)
+    return GemvConfig(variant="dot", bm=64, bn=64, bw=32, warps=4, stages=2)
 
 
-def x_dtype(config: tuple) -> torch.dtype:
+def x_dtype(config: GemvConfig) -> torch.dtype:
     """dtype of x' a config reads: float32 for the FMA variants, bf16 for the tensor-core one."""
-    return torch.bfloat16 if config[0] == "dot" else torch.float32
+    return torch.bfloat16 if config.variant == "dot" else torch.float32
 
 
 def split_plan(kw: int, bw: int, split: int) -> tuple[int, int]:
@@ -293,17 +290,18 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def ternary_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, prepared: bool = False, out: torch.Tensor | None = None, config: tuple | None = None,
+                 *, prepared: bool = False, out: torch.Tensor | None = None, config: GemvConfig | None = None,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y [M, N] = xr [M, K] @ W'^T, W' = (code − 1) × group scale, from the packed codes.
 
     x is the rotated input xr (any float dtype; one extra small launch makes x'), or with `prepared=True`
     already x' = hadamard.gemv_order(xr, dtype=x_dtype(config)) [M, K] (the rotation kernel writes it on
-    the decode path). Returns `out_dtype` (default: x's dtype, bf16 for prepared input).
+    the decode path). Returns `out_dtype` (default: x's dtype, bf16 for prepared input). config: default
+    `default_config(M, N, K)`.
 
-    Split-K configs ("fma"/"rows" with split > 1) keep float32 partials in a per-call workspace; the
-    "fixup" reduction also uses a per-device counter buffer that each launch leaves at zero, so two such
-    launches must not run concurrently on one device (one stream per rank in vLLM).
+    Split-K configs ("fma" with split > 1) keep float32 partials in a per-call workspace; the "fixup"
+    reduction also uses a per-device counter buffer that each launch leaves at zero, so two such launches
+    must not run concurrently on one device (one stream per rank in vLLM).
     """
     require()
     n, kw = packed.shape
@@ -312,49 +310,44 @@ def ternary_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
         raise ValueError(f"ternary_gemv: x width {x.shape[-1]}, weight [{n}, {k}] (packed {list(packed.shape)}), "
                          f"scales {list(scales.shape)} do not fit (K % 128 == 0, scales [N, K/128])")
     m = x.numel() // k
-    config = config or default_config(m, n, k)
+    c = config or default_config(m, n, k)
+    if c.variant not in ("fma", "dot"):
+        raise ValueError(f"ternary_gemv: unknown variant {c.variant!r} in config {c} (the measured-only "
+                         "variants are benchmarks/gemv_variants.py's)")
     if prepared:
         xp = x.reshape(m, k)
         out_dtype = out_dtype or torch.bfloat16
     else:
         from bonsai_vllm.ternary.kernels.hadamard import gemv_order
 
-        xp = gemv_order(x, dtype=x_dtype(config))
+        xp = gemv_order(x, dtype=x_dtype(c))
         out_dtype = out_dtype or x.dtype
     if xp.stride(-1) != 1:
         xp = xp.contiguous()
     y = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out.view(m, n)
-    variant, bm, bn, bw, warps, stages = config[:6]
-    split, reduce = (config[6], config[7]) if len(config) > 6 else (1, "fixup")
     b = bias if bias is not None else scales
-    if variant == "dot":
-        _gemv_dot_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+    if c.variant == "dot":
+        _gemv_dot_kernel[(triton.cdiv(m, c.bm), triton.cdiv(n, c.bn))](
             xp, packed, scales, b, y, m, n, kw, xp.stride(0), y.stride(0),
-            BM=bm, BN=bn, BW=bw, HAS_BIAS=bias is not None, DT=dot_dtype(), num_warps=warps, num_stages=stages)
+            BM=c.bm, BN=c.bn, BW=c.bw, HAS_BIAS=bias is not None, DT=dot_dtype(), num_warps=c.warps,
+            num_stages=c.stages)
         return y
-    iters, nsplit = split_plan(kw, bw, split)
-    mode = REDUCE[reduce] if nsplit > 1 else 0
-    mt = m if variant == "fma" else triton.cdiv(m, bm)  # programs along M
+    iters, nsplit = split_plan(kw, c.bw, c.split)
+    if nsplit > 1 and c.reduce not in REDUCE:
+        raise ValueError(f"ternary_gemv: unknown split-K reduction {c.reduce!r} in config {c} (one of "
+                         f"{sorted(REDUCE)}; \"atomic\" is benchmarks/gemv_variants.py's)")
+    mode = REDUCE[c.reduce] if nsplit > 1 else 0
     cnt = ws = y
     if mode == 3:
-        cnt = _counters(y.device, mt * triton.cdiv(n, bn))
-    if mode == 1:
-        ws = torch.zeros(m, n, dtype=torch.float32, device=y.device)
-    elif mode:
+        cnt = _counters(y.device, m * triton.cdiv(n, c.bn))
+    if mode:  # the float32 partials, [SPLIT, M, N]
         ws = torch.empty(nsplit, m, n, dtype=torch.float32, device=y.device)
-    grid = (mt, triton.cdiv(n, bn), nsplit)
-    if variant == "fma":
-        _gemv_fma_kernel[grid](xp, packed, scales, b, y, ws, cnt, n, kw, iters, nsplit, xp.stride(0), y.stride(0),
-                               BN=bn, BW=bw, HAS_BIAS=bias is not None and mode in (0, 3), REDUCE=mode,
-                               num_warps=warps, num_stages=stages)
-    elif variant == "rows":
-        _gemv_rows_kernel[grid](xp, packed, scales, b, y, ws, cnt, m, n, kw, iters, nsplit, xp.stride(0),
-                                y.stride(0), BM=bm, BN=bn, BW=bw, HAS_BIAS=bias is not None and mode in (0, 3),
-                                REDUCE=mode, num_warps=warps, num_stages=stages)
-    else:
-        raise ValueError(f"ternary_gemv: unknown variant {variant!r} in config {config}")
-    if mode in (1, 2):
+    _gemv_fma_kernel[(m, triton.cdiv(n, c.bn), nsplit)](
+        xp, packed, scales, b, y, ws, cnt, n, kw, iters, nsplit, xp.stride(0), y.stride(0),
+        BN=c.bn, BW=c.bw, HAS_BIAS=bias is not None and mode in (0, 3), REDUCE=mode, num_warps=c.warps,
+        num_stages=c.stages)
+    if mode == 2:
         block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, b, y, m, n, 1 if mode == 1 else nsplit, y.stride(0),
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](ws, b, y, m, n, nsplit, y.stride(0),
                                                              BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
     return y

@@ -1,6 +1,7 @@
-"""Prefill path (large M): report 000's exact int8 decomposition, one int8 × int8 → int32 matmul per layer.
+"""Prefill path (large M): report 000 §4's exact int8 decomposition, one int8 × int8 → int32 matmul per layer.
 
 Reference (the judge): `ternary.reference.int8_decompose` and `ternary.reference.ternary_linear_int8_ref`.
+Report 000 is the field report described in docs/field-reports.md.
 
     q[n, g]   = round(127 · s[n, g] / smax[n])      (int8, |q| <= 127; `int8_scales`)
     W8[n, k]  = code[n, k] · q[n, k/128]             (int8, exact; `expand_int8`)
@@ -10,13 +11,15 @@ Reference (the judge): `ternary.reference.int8_decompose` and `ternary.reference
 W8 is expanded once at load when memory allows (1 byte per weight, 4× the packed codes), otherwise per
 call into a scratch buffer (`expand_int8`: reads 2.125 bits, writes 8 bits per weight). Two matmuls:
 
-- `int_mm`: torch._int_mm (cuBLAS) with W8^T column-major (W8 [N, K] row-major, `.t()`: DESIGN.md §4, a
+- `int_mm`: torch._int_mm (cuBLAS) with W8^T column-major (W8 [N, K] row-major, `.t()`: docs/design.md §4, a
   row-major second operand runs 6-7× slower), then `rescale` (one Triton pass over the int32 result).
 - `triton`: `int8_gemm`, a Triton int8 tensor-core GEMM with the rescale fused into its epilogue (no int32
   round trip through memory).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -86,23 +89,52 @@ if triton is not None:
                  mask=(om < M)[:, None] & (on < N)[None, :])
 
 
-def default_config(m: int, n: int, k: int) -> tuple[str, tuple | None]:
-    """("triton", (BM, BN, BK, GROUP_M, warps, stages)) or ("int_mm", None) for a batch of m rows: the
-    fastest of the H200 sweeps (bench_kernels --sweep and, for M <= 16, bench_decode; 2026-11-29) at the
-    27B's per-rank shapes. The Triton GEMM (rescale fused) won everywhere from 512 rows; at 32-64 rows cuBLAS
-    _int_mm + rescale was as fast or faster except for gate_up; _int_mm refuses M <= 16. At M <= 16 one row
-    tile of 16 with a deep K step (BK = 256, so a program streams W8 in few, long steps) beat the old 64-row
-    tile by 1.1-1.5× (o_proj GEMM 7.6 against 11.3 µs; gate_up prefers BN = 64: 24.6-24.9 against 25.0-26.2)."""
+@dataclass(frozen=True)
+class Int8GemmConfig:
+    """How the int8 matmul of one batch runs: the backend, and the Triton GEMM's tile."""
+
+    bm: int  # rows of xq per program (a program computes a [bm, bn] tile of y)
+    bn: int  # rows of W8 (outputs) per program
+    bk: int  # K per step; must divide K
+    group_m: int  # row tiles launched together over each W8 tile (grouped order: they share it in L2)
+    warps: int  # num_warps
+    stages: int  # num_stages
+    backend: str = "triton"  # "triton": int8_gemm (rescale fused); "int_mm": torch._int_mm (cuBLAS) + rescale,
+    # where the tile above is what int8_gemm runs in its place when cuBLAS cannot (CPU tensors, the interpreter)
+
+    def __str__(self) -> str:
+        if self.backend == "int_mm":
+            return "int_mm"
+        return (f"{self.backend} bm={self.bm} bn={self.bn} bk={self.bk} group_m={self.group_m} warps={self.warps} "
+                f"stages={self.stages}")
+
+
+INT_MM = Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=4, stages=4, backend="int_mm")
+
+
+def default_config(m: int, n: int, k: int) -> Int8GemmConfig:
+    """The int8 matmul for a batch of m rows: the fastest of the H200 sweeps (bench_kernels --sweep and, for
+    M <= 16, bench_decode; 2026-11-29) at the 27B's per-rank shapes. The Triton GEMM (rescale fused) won
+    everywhere from 512 rows; at 32-64 rows cuBLAS _int_mm + rescale (INT_MM) was as fast or faster except for
+    gate_up; _int_mm refuses M <= 16. At M <= 16 one row tile of 16 with a deep K step (BK = 256, so a program
+    streams W8 in few, long steps) beat the old 64-row tile by 1.1-1.5× (o_proj GEMM 7.6 against 11.3 µs;
+    gate_up prefers BN = 64: 24.6-24.9 against 25.0-26.2)."""
     if m <= 16:
         bk = 256 if k % 256 == 0 else 128
-        return "triton", (16, 64, bk, 1, 4, 3) if n > 8192 else (16, 32, bk, 1, 2, 4)
+        if n > 8192:
+            return Int8GemmConfig(bm=16, bn=64, bk=bk, group_m=1, warps=4, stages=3)
+        return Int8GemmConfig(bm=16, bn=32, bk=bk, group_m=1, warps=2, stages=4)
     if m <= 64 and n > 8192:
-        return "triton", (64, 128, 128, 8, 4, 4)
+        return Int8GemmConfig(bm=64, bn=128, bk=128, group_m=8, warps=4, stages=4)
     if m <= 64:
-        return "int_mm", None
+        return INT_MM
     if m <= 1024:
-        return "triton", (128, 128, 64, 8, 4, 4) if n > 5120 else (64, 128, 64, 8, 4, 4)
-    return "triton", (128, 128, 128, 8, 8, 4) if k > 8192 else (128, 128, 64, 8, 4, 4)
+        if n > 5120:
+            return Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=4, stages=4)
+        return Int8GemmConfig(bm=64, bn=128, bk=64, group_m=8, warps=4, stages=4)
+    if k > 8192:
+        return Int8GemmConfig(bm=128, bn=128, bk=128, group_m=8, warps=8, stages=4)
+    return Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=4, stages=4)
 
 
 def int8_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,19 +171,22 @@ def rescale(acc: torch.Tensor, ts: torch.Tensor, rs: torch.Tensor, bias: torch.T
 
 def int8_gemm(xq: torch.Tensor, w8: torch.Tensor, ts: torch.Tensor, rs: torch.Tensor,
               bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
-              out: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
-    """y [M, N] = (xq [M, K] · w8 [N, K]^T) · ts[m] · rs[n] (+ bias): one Triton kernel, int32 accumulate."""
+              out: torch.Tensor | None = None, config: Int8GemmConfig | None = None) -> torch.Tensor:
+    """y [M, N] = (xq [M, K] · w8 [N, K]^T) · ts[m] · rs[n] (+ bias): one Triton kernel, int32 accumulate.
+
+    config: default `default_config(M, N, K)`; its tile is used whatever its backend (an "int_mm" config's
+    tile is the stand-in for cuBLAS where that cannot run)."""
     require()
     m, k = xq.shape
     n = w8.shape[0]
-    bm, bn, bk, group_m, warps, stages = config or default_config(m, n, k)[1] or (128, 128, 64, 8, 4, 4)
-    if k % bk:
-        raise ValueError(f"int8_gemm: K = {k} is not a multiple of BK = {bk}")
+    c = config or default_config(m, n, k)
+    if k % c.bk:
+        raise ValueError(f"int8_gemm: K = {k} is not a multiple of BK = {c.bk}")
     y = torch.empty(m, n, dtype=dtype, device=xq.device) if out is None else out
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (triton.cdiv(m, c.bm) * triton.cdiv(n, c.bn),)
     _int8_gemm_kernel[grid](xq, w8, ts, rs, bias if bias is not None else rs, y, m, n, k,
-                            xq.stride(0), w8.stride(0), y.stride(0), BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
-                            HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+                            xq.stride(0), w8.stride(0), y.stride(0), BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m,
+                            HAS_BIAS=bias is not None, num_warps=c.warps, num_stages=c.stages)
     return y
 
 

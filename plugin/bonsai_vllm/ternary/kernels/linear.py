@@ -18,11 +18,16 @@ Dispatch (by batch rows M = x.numel() / K and by device):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from bonsai_vllm.triton_runtime import usable
 from bonsai_vllm.ternary.reference import dequantize
+
+if TYPE_CHECKING:  # the kernel modules are imported lazily (they define @triton.jit functions)
+    from bonsai_vllm.ternary.kernels.gemv import GemvConfig
+    from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig
 
 GROUP_SIZE = 128
 BLOCK = 1024
@@ -112,19 +117,19 @@ def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.T
 @dataclass(frozen=True)
 class Route:
     """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "gemv" (config: the
-    GEMV's, gemv.default_config) or "int8" (config: int8mm.default_config's (backend, tile); w8: "kept" at
-    load or "expanded" per call). make gpu-check prints it beside each case."""
+    gemv.GemvConfig of gemv.default_config) or "int8" (config: the int8mm.Int8GemmConfig of
+    int8mm.default_config; w8: "kept" at load or "expanded" per call). make gpu-check prints it beside each
+    case."""
 
     path: str
-    config: tuple | None = None
+    config: GemvConfig | Int8GemmConfig | None = None
     w8: str = ""
 
     def __str__(self) -> str:
         if self.path == "gemv":
-            return f"gemv {self.config[0]} {self.config[1:]}"
+            return f"gemv {self.config}"
         if self.path == "int8":
-            backend, tile = self.config
-            return f"int8 {backend}{'' if tile is None else ' ' + str(tile)}, W8 {self.w8}"
+            return f"int8 {self.config}, W8 {self.w8}"
         return self.path
 
 
@@ -178,9 +183,8 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         xr = x2 if rotated else block_hadamard(x2, tw.signs, tw.block)
         xq, ts = quantize_per_token(xr)
         w8 = tw.w_int8 if tw.w_int8 is not None else int8mm.expand_int8(tw.packed, tw.q)
-        backend, cfg = r.config
-        if backend == "int_mm" and x.is_cuda:
+        if r.config.backend == "int_mm" and x.is_cuda:
             y = int8mm.int_mm_linear(xq, w8, ts, tw.row_scale, bias, x.dtype)
-        else:
-            y = int8mm.int8_gemm(xq, w8, ts, tw.row_scale, bias, x.dtype, config=cfg)
+        else:  # the Triton GEMM (an "int_mm" config's tile off CUDA)
+            y = int8mm.int8_gemm(xq, w8, ts, tw.row_scale, bias, x.dtype, config=r.config)
     return y.view(*x.shape[:-1], tw.out_features)
