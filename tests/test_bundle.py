@@ -20,7 +20,7 @@ BIN = Path(sys.executable).parent
 
 
 def compose_binary() -> Path:
-    # The console-script wrapper returns 0 even when validation fails (DESIGN.md §5): call the binary.
+    # The console-script wrapper returns 0 even when validation fails (docs/design.md §5): call the binary.
     import compose
 
     return Path(compose.__file__).parent / "docker-compose"
@@ -163,7 +163,8 @@ def test_serve_command_defaults():
         assert flag in joined, flag
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {"method": "mtp", "num_speculative_tokens": 1}
-    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "k3v2"  # report 002's format: 131072 tokens fit
+    # report 002's format (docs/field-reports.md): 131072 tokens fit
+    assert cmd[cmd.index("--kv-cache-dtype") + 1] == "k3v2"
     assert "--kv-offloading-size" not in cmd
 
 

@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--vision-revision", metavar="REV", help="[BONSAI_VISION_REVISION; default main]")
     a("--vision-check", metavar="1|0", help="refuse a vision tower whose model card names another base model than "
                                             "the weights' card [BONSAI_VISION_CHECK; default 1]")
+    # report 002: the field report described in docs/field-reports.md (§6, the Japanese MTP head).
     a("--mtp-repo", metavar="REPO|off",
       help="a repo holding a replacement MTP head (e.g. a Japanese-trained one, report 002); 'off' keeps the "
            "checkpoint's own head [BONSAI_MTP_REPO; default off]")

@@ -1,8 +1,8 @@
 """The embedding table on SSD: the export format, and the lookup that keeps only hot rows on the device.
 
-The 27B's input embedding (248320 × 5120 bf16, 2.37 GiB) is only ever indexed. Report 002 found the top
-32,000 tokens cover 99.86% of real traffic, so the device keeps those rows and the rest are read from a
-file through the OS page cache when a batch needs them.
+The 27B's input embedding (248320 × 5120 bf16, 2.37 GiB) is only ever indexed. Report 002 §4.3
+(docs/field-reports.md) found the top 32,000 tokens cover 99.86% of real traffic, so the device keeps
+those rows and the rest are read from a file through the OS page cache when a batch needs them.
 
 The lookup (below the format; no vLLM here, `adapters/embedding.py` plugs it in): per vocabulary shard a
 `ShardPlan` (which rows the device keeps), `build_hot_table` (the device table), `ColdRows` (the rest, read

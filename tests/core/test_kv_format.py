@@ -20,13 +20,14 @@ from bonsai_vllm.kv.rotation import KVRotation, calibrate, fwht_rotate, save_rot
 # ------------------------------------------------------------------------------------------- format
 
 def test_bytes_per_token_per_kv_head():
-    """Report 002's figure: 168 B for K3V2 at head_dim 256 (96 + 64 + 2·(fp16 scale + min)); K2V2 136."""
+    """Report 002 §4.2's figure (docs/field-reports.md): 168 B for K3V2 at head_dim 256
+    (96 + 64 + 2·(fp16 scale + min)); K2V2 136."""
     assert K3V2.slot_bytes == 168 and (K3V2.k_lo_bytes, K3V2.k_hi_bytes, K3V2.v_bytes) == (64, 32, 64)
     assert K2V2.slot_bytes == 136
     assert K3V2.page_bytes(2464) == 2464 * 168
     o = K3V2.offsets(16)
     assert (o["k_lo"], o["k_hi"], o["v"], o["meta"], o["page"]) == (0, 1024, 1536, 2560, 2688)
-    # per GPU at TP=2: 16 layers × 2 KV heads × 168 B (DESIGN §1)
+    # per GPU at TP=2: 16 layers × 2 KV heads × 168 B (docs/design.md §1)
     assert 16 * 2 * K3V2.slot_bytes == 5376
 
 
@@ -193,7 +194,7 @@ def test_capacity_reproduces_the_reported_pools():
     pools = [rows[f]["pool"] for f in ("bf16", "turboquant_4bit_nc", "turboquant_k3v4_nc", "k3v2", "k2v2")]
     assert pools == sorted(pools)
     assert all(r["pool"] < r["naive_pool"] for r in rows.values())
-    # GDN state per layer per sequence per GPU (DESIGN: ~0.8 MB in bf16), with the MTP column
+    # GDN state per layer per sequence per GPU (docs/design.md §1: ~0.8 MB in bf16), with the MTP column
     assert capacity.gdn_state_bytes() == (5120 * 4 + 24 * 128 * 128) * 2
     # SSD embeddings: same K2V2 geometry, more blocks
     iv = capacity.kv_budget_interval("k2v2", 627633)
@@ -201,7 +202,7 @@ def test_capacity_reproduces_the_reported_pools():
 
 
 def test_capacity_arithmetic_of_design():
-    """DESIGN §1's naive figures: 282,089 × 8,384 B; 458,752 × 4,352 B; 378,652 × 5,376 B."""
+    """docs/design.md §1's naive figures: 282,089 × 8,384 B; 458,752 × 4,352 B; 378,652 × 5,376 B."""
     per_gpu = {f: 16 * 2 * capacity.KV_BYTES[f] for f in capacity.KV_BYTES}
     assert per_gpu["turboquant_4bit_nc"] == 8384 and per_gpu["k2v2"] == 4352 and per_gpu["k3v2"] == 5376
     assert capacity.naive_pool("k3v2", 378652 * 5376) == 378652

@@ -98,8 +98,8 @@ def test_tp2_at_bf16_and_the_rank_swap_fails(down_proj):
     good = rel_err(row_parallel_tp(x, packed, scales, signs, 2, dtype=torch.bfloat16), ref)
     swapped = rel_err(row_parallel_tp(x, packed, scales, signs, 2, swap=True, dtype=torch.bfloat16), ref)
     print(f"\nTP=2 vs TP=1 relative error: bf16 {good:.2e}; ranks' halves swapped {swapped:.2e}")
-    assert good < 1e-2  # bf16 rounding of the rotated activations (report 000: 2.6e-3)
-    assert swapped > 50 * good  # report 000: 1.44 — the test can fail
+    assert good < 1e-2  # bf16 rounding of the rotated activations (report 000 §1, docs/field-reports.md: 2.6e-3)
+    assert swapped > 50 * good  # report 000 §1: 1.44 — the test can fail
 
 
 def test_tp2_on_tiny_widths():

@@ -1,6 +1,6 @@
 """A local stand-in for the Hugging Face Hub: the part of its HTTP protocol that huggingface_hub 2.4 uses.
 
-Point `HF_ENDPOINT` (or bonsai-fetch's `--endpoint`) at `HubServer.url`. It answers (DESIGN.md §3):
+Point `HF_ENDPOINT` (or bonsai-fetch's `--endpoint`) at `HubServer.url`. It answers (docs/design.md §3):
 
 - `GET /api/models/{repo}[/revision/{rev}]` — `sha` and `siblings` (with `?blobs=true`: size, git oid, LFS
   sha256), the call behind `HfApi.model_info`;

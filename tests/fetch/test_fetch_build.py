@@ -128,7 +128,7 @@ def test_changed_options_rebuild_only_what_they_affect(tmp_path, fetch, hub, fix
     assert {r.path.rsplit("/", 1)[-1] for r in hub.resolve_gets()} == {"mtp.safetensors"}
     assert _files(out)[UPLOAD_SHARDS[0]][0] == before[UPLOAD_SHARDS[0]][0]
 
-    # And back to the checkpoint's own head (JA_MTP=0 in report 002's terms).
+    # And back to the checkpoint's own head (JA_MTP=0 in report 002's terms, §6 in docs/field-reports.md).
     assert fetch("--out", str(out), "--hot-vocab", "16").code == 0
     ref = load_file(fixture_models.ternary / "model.safetensors")
     assert torch.equal(load_file(out / "mtp.safetensors")["mtp.fc.weight"], ref["mtp.fc.weight"])

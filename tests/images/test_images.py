@@ -1,7 +1,7 @@
 """The bundle's two images, built for real from the repository's Dockerfiles, and each service's job run from
 them (`make test-images`; part of `make test`).
 
-No Docker engine and no registry here (DESIGN.md §6): Debian's podman builds the Dockerfiles with
+No Docker engine and no registry here (docs/design.md §6): Debian's podman builds the Dockerfiles with
 `--isolation chroot` on a Debian base made locally with mmdebstrap (the Dockerfiles take the base as an ARG;
 every package they install has the same name on the CUDA image's Ubuntu 24.04), pip reaching PyPI with this
 machine's CA bundle as the build secret `pip_ca`. `podman run` cannot start containers here (no

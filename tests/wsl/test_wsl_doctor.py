@@ -21,7 +21,7 @@ RTX = "NVIDIA GeForce RTX 5070"
 # index, name, gen cur, gen max, width cur, width max, MiB total, MiB used, driver
 GPU0_X16 = (0, RTX, 4, 4, 16, 16, 12227, 512, "581.57")
 GPU1_X16 = (1, RTX, 4, 4, 16, 16, 12227, 180, "581.57")
-GPU1_X4 = (1, RTX, 4, 4, 4, 4, 12227, 180, "581.57")   # B760 chipset slot (report 000)
+GPU1_X4 = (1, RTX, 4, 4, 4, 4, 12227, 180, "581.57")   # B760 chipset slot (report 000 §6, docs/field-reports.md)
 
 SMI_HEADER = """Sat Nov 29 09:00:00 2026
 +-----------------------------------------------------------------------------------------+

@@ -1,10 +1,10 @@
 """PrismML's official MLX 2-bit pack -> the vLLM `prism_ternary` checkpoint (and back, for test fixtures).
 
 The published vLLM checkpoint is a third-party upload; PrismML's own MLX pack carries the same ternary codes
-(DESIGN.md §1), so the vLLM checkpoint can be rebuilt from it without any re-quantization: codes and scales
+(docs/design.md §1), so the vLLM checkpoint can be rebuilt from it without any re-quantization: codes and scales
 are regrouped into vLLM's fused modules, nothing is rounded.
 
-The pack layout this reader accepts (what DESIGN.md §1 records about the pack, made concrete; every
+The pack layout this reader accepts (what docs/design.md §1 records about the pack, made concrete; every
 assumption is checked and a pack that differs is refused with the rule it broke, never mis-read):
 
 - Names follow mlx-vlm: `language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`, `mtp.*`

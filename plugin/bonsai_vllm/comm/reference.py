@@ -1,8 +1,10 @@
 """The int8 all-reduce for prefill-sized payloads (report 002 §5), in plain PyTorch.
 
+The field reports cited here are described in docs/field-reports.md.
+
 Under TP=2 every row-parallel layer ends in an all-reduce of a [tokens, 5120] partial sum: two per layer,
 128 per step. Without P2P (GeForce under WSL2) those bytes cross PCIe through host memory, and in a
-prefill step they are half the step's time (report 000). Sending int8 with one scale per 128 elements
+prefill step they are half the step's time (report 000 §6). Sending int8 with one scale per 128 elements
 instead of bf16 nearly halves the bytes:
 
     per rank: pack(x) = [int8 codes (n bytes) | fp32 scales (n/128 × 4 bytes)]  → one all-gather

@@ -2,7 +2,7 @@
 
     PYTHONPATH=plugin python -m bonsai_vllm.kv.capacity      # prints both tables below
 
-Naive arithmetic (DESIGN §1): only the 16 full-attention layers hold KV; each GPU keeps 2 of the 4 KV
+Naive arithmetic (docs/design.md §1): only the 16 full-attention layers hold KV; each GPU keeps 2 of the 4 KV
 heads, so a token costs 16 · 2 · B bytes per GPU (B = bytes per token per KV head: bf16 1024, TurboQuant
 k3v4 230, TurboQuant 4-bit 262, K3V2 168, K2V2 136), and pool ≈ KV bytes / that.
 
@@ -23,7 +23,8 @@ What vLLM 0.32 actually does for this hybrid (read from its source, `platforms/i
    pool, which is why it comes out smaller than the naive figure.
 
 With report 002's settings (max_model_len 131072, MTP 1, prefix caching align, bf16 GDN state) this
-reproduces every pool of the field reports exactly (`reconcile()`); see docs/kv-cache.md.
+reproduces every pool of the field reports exactly (`reconcile()`); see docs/kv-cache.md. The reports and
+the sections cited here ("002 §4.2") are described in docs/field-reports.md.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from bonsai_vllm.kv.format import K2V2, K3V2
 
 GIB = 1 << 30
 
-# Ternary-Bonsai-2-27B (DESIGN §1)
+# Ternary-Bonsai-2-27B (docs/design.md §1)
 ATTN_LAYERS = 16
 GDN_LAYERS = 48
 KV_HEADS = 4
@@ -61,7 +62,7 @@ class PoolSettings:
     mamba_align: bool = True  # prefix caching on a hybrid: mamba_cache_mode "align"
     kernel_block: int = 16  # smallest kernel block size of the attention backend
     tp: int = 2
-    gdn_state_bytes_per_el: int = 2  # bf16 GDN state (report 002 kept bf16; fp32 costs 16.5% of the pool)
+    gdn_state_bytes_per_el: int = 2  # bf16 GDN state (report 002 §7: fp32 costs 16.5% of the pool)
 
 
 def gdn_state_bytes(s: PoolSettings = PoolSettings()) -> int:
@@ -73,7 +74,8 @@ def gdn_state_bytes(s: PoolSettings = PoolSettings()) -> int:
 
 
 def naive_pool(fmt: str, kv_bytes: float, tp: int = 2) -> int:
-    """DESIGN §1's arithmetic: KV bytes per GPU / (16 layers · KV heads per GPU · bytes per token-head)."""
+    """docs/design.md §1's naive arithmetic: KV bytes per GPU / (16 layers · KV heads per GPU · bytes per
+    token-head)."""
     return int(kv_bytes // (ATTN_LAYERS * (KV_HEADS // tp) * KV_BYTES[fmt]))
 
 

@@ -26,7 +26,7 @@ The bf16 part: the first `sink` tokens of each sequence (attention sinks) and it
 stay in bf16 (rotated), in one buffer [sinks | recent]; when the recent part reaches window + flush
 tokens the oldest `flush` are quantized into pages in one batch. Attention is computed over both parts
 (pages, bf16 buffer) and merged by log-sum-exp. Without the bf16 part, one port measured gsm8k 61.8
-against 74.9 for bf16; with it, parity (DESIGN §1).
+against 74.9 for bf16; with it, parity (docs/design.md §1).
 """
 
 from __future__ import annotations

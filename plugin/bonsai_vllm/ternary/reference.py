@@ -3,7 +3,8 @@
 Slow and simple on purpose: this is the judge that GPU kernels (and the vLLM adapter) are tested against.
 
 - `ternary_linear_ref`: y = H(s ⊙ x) · W'^T (+ bias), W' = code × scale of its 128-group.
-- `int8_decompose` / `ternary_linear_int8_ref`: report 000's exact int8 prefill path. Each group scale
+- `int8_decompose` / `ternary_linear_int8_ref`: report 000 §4's exact int8 prefill path
+  (docs/field-reports.md). Each group scale
   s[n, g] becomes an int8 multiple q[n, g] of a per-row step smax[n]/127, so code × q is an int8 weight and
   the whole layer is one int8 × int8 → int32 matmul, rescaled by (token scale × row scale).
 
@@ -117,7 +118,7 @@ def int8_decompose(packed: torch.Tensor, scales: torch.Tensor,
 def _int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact int32 a [M, K] @ b[N, K]^T of int8 operands."""
     try:
-        # torch._int_mm wants the second operand column-major, which b.t() is (DESIGN.md §4).
+        # torch._int_mm wants the second operand column-major, which b.t() is (docs/design.md §4).
         return torch._int_mm(a, b.t())
     except RuntimeError:
         # Shapes _int_mm refuses (e.g. M <= 16 on CUDA): float64 holds every partial sum exactly,
