@@ -6,11 +6,12 @@ Issue 5 left the decode GEMV short of its targets (docs/benchmarks.md): at M = 1
 too few programs to hide latency, and at M = 2 … 16 the tensor-core `dot` path is slower than bf16 cuBLAS.
 This bench measures, in one run and against the same bf16 baseline and floor:
 - the paths the dispatcher took before (`fma` at M = 1, `dot` beyond: BEFORE below);
-- split-K `fma` at M = 1 (K cut into slices, one program per slice and tile of N), with its three
-  reductions: "fixup" (one launch; the last program of a tile sums the partials), "pass" (partials, then a
-  small reduce launch), "atomic" (fp32 atomic_add into a zeroed buffer, then a cast launch);
+- split-K `fma` at M = 1 (K cut into slices, one program per slice and tile of N), with its two
+  reductions: "fixup" (one launch; the last program of a tile sums the partials) and "pass" (partials, then
+  a small reduce launch); a third, "atomic" (fp32 atomic_add into a zeroed buffer, then a cast launch), was
+  measured slowest everywhere and dropped (docs/benchmarks.md has the figures);
 - `rows`, the multi-row FMA kernel (one decode of a weight tile serves BM rows), with and without split-K
-  (it and the "atomic" reduction are not dispatched: benchmarks/gemv_variants.py holds them);
+  (not dispatched: benchmarks/gemv_variants.py holds it);
 - at M >= 4, the int8 path (W8 kept at load, per-token int8 activations) through the Triton int8 GEMM with
   BM = 16, the per-token quantization's time included (torch._int_mm refuses M <= 16).
 Every candidate is checked against the float32 reference on fresh random inputs with the output poisoned,
@@ -90,7 +91,7 @@ def candidates(m: int, n: int) -> list[tuple]:
     if m == 1:
         c += [("gemv", t) for t in FMA_TILES]
         c += [("gemv", replace(t, split=s, reduce="fixup")) for t in FMA_TILES for s in SPLITS]
-        c += [("gemv", _fma(bn=32, bw=32, warps=2, split=s, reduce=r)) for r in ("pass", "atomic") for s in SPLITS]
+        c += [("gemv", _fma(bn=32, bw=32, warps=2, split=s, reduce="pass")) for s in SPLITS]
     else:
         if m <= 4:
             c += [("gemv", _fma(bn=32, bw=32, warps=2)), ("gemv", _fma(bn=32, bw=32, warps=2, split=4, reduce="fixup"))]
@@ -142,7 +143,7 @@ class Layer:
 
 
 def run_gemv(layer: Layer, xp: torch.Tensor, cfg: GemvConfig, i: int = 0, out=None) -> torch.Tensor:
-    from benchmarks.gemv_variants import ternary_gemv_variant  # the served gemv.ternary_gemv, or a measured variant
+    from benchmarks.gemv_variants import ternary_gemv_variant  # the served gemv.ternary_gemv, or `rows`
 
     return ternary_gemv_variant(xp, layer.tern[i][0], layer.tern[i][1], prepared=True, config=cfg, out=out)
 

@@ -1,16 +1,15 @@
-"""Decode GEMV variants that were measured and are not dispatched: bench_decode times them beside the
-served ones (`gemv.py`), which hold only what `gemv.default_config` can pick.
+"""The multi-row decode GEMV `rows`, measured and not dispatched: bench_decode times it beside the served
+kernels of `gemv.py`, which hold only what `gemv.default_config` can pick.
 
-- `rows`: one program decodes a [BN, BW] tile of W once per step and applies it to BM rows of x' held in
-  registers (acc [BM, BN, BW]); lost to `fma` at M = 2 and to `dot` at M = 4 … 16 (gemv.py's docstring says
-  why; docs/benchmarks.md has the run). Split-K like `fma`, any of the three reductions.
-- the "atomic" split-K reduction of `fma` (fp32 atomic_add into a zeroed buffer, then a cast pass): the
-  slowest of the three everywhere (gate_up 21.9 µs against 21.2 for "pass", down 14.6 against 13.6 for
-  "fixup"). `_gemv_fma_atomic_kernel` is gemv._gemv_fma_kernel's loop with that epilogue.
+One program decodes a [BN, BW] tile of W once per step and applies it to BM rows of x' held in registers
+(acc [BM, BN, BW]); it lost to `fma` at M = 2 and to `dot` at M = 4 … 16 (gemv.py's docstring says why;
+docs/benchmarks.md has the run). Split-K like `fma`, with either served reduction ("fixup", "pass").
+(The "atomic" split-K reduction of `fma` was measured too, slowest of the three everywhere, and dropped:
+docs/benchmarks.md has the figures.)
 
-`ternary_gemv_variant` takes a `gemv.GemvConfig` with variant "rows" or reduce "atomic" and runs it here;
-anything else goes to the served `gemv.ternary_gemv`. Same inputs and outputs as that. The kernels reuse
-gemv.py's decode, tile load and epilogue, so the comparison is with the same maths.
+`ternary_gemv_variant` takes a `gemv.GemvConfig`: variant "rows" runs here, anything else goes to the
+served `gemv.ternary_gemv`. Same inputs and outputs as that. The kernel reuses gemv.py's decode, tile load
+and epilogue, so the comparison is with the same maths.
 """
 
 from __future__ import annotations
@@ -20,55 +19,8 @@ import torch
 from bonsai_vllm.ternary.kernels import gemv
 from bonsai_vllm.triton_runtime import require, tl, triton
 
-REDUCE = {**gemv.REDUCE, "atomic": 1}  # the served reductions and "atomic" (REDUCE 1 of _epilogue_any)
-
 if triton is not None:
     from bonsai_vllm.ternary.kernels.gemv import _decode, _epilogue, _word_tile
-
-    @triton.jit
-    def _epilogue_any(v, y_ptr, y_off, ws_ptr, ws_off, ws_split, b_ptr, n_off, mask, cnt_ptr, tile, pid_s, nsplit,
-                      REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """gemv._epilogue, plus REDUCE 1: atomic_add into the zeroed float32 ws [M, N] (a cast pass follows)."""
-        if REDUCE == 1:
-            tl.atomic_add(ws_ptr + ws_off, v, mask=mask, sem="relaxed")
-        else:
-            _epilogue(v, y_ptr, y_off, ws_ptr, ws_off, ws_split, b_ptr, n_off, mask, cnt_ptr, tile, pid_s, nsplit,
-                      REDUCE, HAS_BIAS)
-
-    @triton.jit(do_not_specialize=["ITERS", "nsplit"])
-    def _gemv_fma_atomic_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, ITERS, nsplit, stride_xm,
-                                stride_ym, BN: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                REDUCE: tl.constexpr):
-        # gemv._gemv_fma_kernel with _epilogue_any: grid (M, cdiv(N, BN), SPLIT), one row of x' per program.
-        m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        pid_s = tl.program_id(2)
-        rn = pid_n * BN + tl.arange(0, BN)
-        nmask = rn < N
-        G = KW // 8
-        k0 = pid_s * ITERS * BW
-        kend = tl.minimum(k0 + ITERS * BW, KW)
-        wcol = k0 + tl.arange(0, BW)
-        p, s = _word_tile(w_ptr, s_ptr, rn, nmask, wcol, kend, KW, G)
-        acc = tl.zeros([BN, BW], dtype=tl.float32)
-        for it in range(0, ITERS):
-            wnext = wcol + BW
-            p_next, s_next = _word_tile(w_ptr, s_ptr, rn, nmask, wnext, kend, KW, G)
-            lo = p | 0x4B000000
-            hi = (p >> 16) | 0x4B000000
-            xrow = x_ptr + m * stride_xm + wcol
-            xmask = wcol < kend
-            t = tl.zeros([BN, BW], dtype=tl.float32)
-            for j in tl.static_range(8):
-                xl = tl.load(xrow + j * KW, mask=xmask, other=0.0)
-                xh = tl.load(xrow + (j + 8) * KW, mask=xmask, other=0.0)
-                t = tl.fma(_decode(lo, j), xl[None, :], t)
-                t = tl.fma(_decode(hi, j), xh[None, :], t)
-            acc = tl.fma(t, s.to(tl.float32), acc)
-            p, s, wcol = p_next, s_next, wnext
-        y = tl.sum(acc, axis=1)
-        _epilogue_any(y, y_ptr, m * stride_ym + rn, ws_ptr, m * N + rn, tl.num_programs(0) * N, b_ptr, rn, nmask,
-                      cnt_ptr, m * tl.num_programs(1) + pid_n, pid_s, nsplit, REDUCE, HAS_BIAS)
 
     @triton.jit(do_not_specialize=["M", "ITERS", "nsplit"])
     def _gemv_rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, KW, ITERS, nsplit, stride_xm,
@@ -108,22 +60,22 @@ if triton is not None:
                 acc = tl.fma((_decode(hi, j) * sf)[None, :, :], xh[:, None, :], acc)
             p, s, wcol = p_next, s_next, wnext
         y = tl.sum(acc, axis=2)  # [BM, BN]
-        _epilogue_any(y, y_ptr, rm[:, None] * stride_ym + rn[None, :], ws_ptr, rm[:, None] * N + rn[None, :], M * N,
-                      b_ptr, rn[None, :], mmask[:, None] & nmask[None, :], cnt_ptr,
-                      tl.program_id(0) * tl.num_programs(1) + pid_n, pid_s, nsplit, REDUCE, HAS_BIAS)
+        _epilogue(y, y_ptr, rm[:, None] * stride_ym + rn[None, :], ws_ptr, rm[:, None] * N + rn[None, :], M * N,
+                  b_ptr, rn[None, :], mmask[:, None] & nmask[None, :], cnt_ptr,
+                  tl.program_id(0) * tl.num_programs(1) + pid_n, pid_s, nsplit, REDUCE, HAS_BIAS)
 
 
 def ternary_gemv_variant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
                          bias: torch.Tensor | None = None, *, prepared: bool = False, out: torch.Tensor | None = None,
                          config: gemv.GemvConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """gemv.ternary_gemv for any configuration bench_decode times: variant "rows" (any reduction) and
-    `fma` with the "atomic" reduction run here, everything else through the served function."""
+    """gemv.ternary_gemv for any configuration bench_decode times: variant "rows" runs here, everything else
+    through the served function."""
     c = config or gemv.default_config(x.numel() // x.shape[-1], packed.shape[0], x.shape[-1])
-    n, kw = packed.shape
-    iters, nsplit = gemv.split_plan(kw, c.bw, c.split)
-    if c.variant != "rows" and not (c.variant == "fma" and c.reduce == "atomic" and nsplit > 1):
+    if c.variant != "rows":
         return gemv.ternary_gemv(x, packed, scales, bias, prepared=prepared, out=out, config=c, out_dtype=out_dtype)
     require()
+    n, kw = packed.shape
+    iters, nsplit = gemv.split_plan(kw, c.bw, c.split)
     k = kw * 16
     if x.shape[-1] != k or scales.shape != (n, k // 128) or k % 128:
         raise ValueError(f"ternary_gemv_variant: x width {x.shape[-1]} does not fit the weight [{n}, {k}]")
@@ -140,30 +92,21 @@ def ternary_gemv_variant(x: torch.Tensor, packed: torch.Tensor, scales: torch.Te
         xp = xp.contiguous()
     y = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out.view(m, n)
     b = bias if bias is not None else scales
-    if nsplit > 1 and c.reduce not in REDUCE:
-        raise ValueError(f"ternary_gemv_variant: unknown split-K reduction {c.reduce!r} in config {c}")
-    mode = REDUCE[c.reduce] if nsplit > 1 else 0
-    mt = m if c.variant == "fma" else triton.cdiv(m, c.bm)  # programs along M
+    if nsplit > 1 and c.reduce not in gemv.REDUCE:
+        raise ValueError(f"ternary_gemv_variant: unknown split-K reduction {c.reduce!r} in config {c} (one of "
+                         f"{sorted(gemv.REDUCE)})")
+    mode = gemv.REDUCE[c.reduce] if nsplit > 1 else 0
+    mt = triton.cdiv(m, c.bm)  # programs along M
     cnt = ws = y
     if mode == 3:
         cnt = gemv._counters(y.device, mt * triton.cdiv(n, c.bn))
-    if mode == 1:
-        ws = torch.zeros(m, n, dtype=torch.float32, device=y.device)
-    elif mode:
+    if mode:
         ws = torch.empty(nsplit, m, n, dtype=torch.float32, device=y.device)
-    grid = (mt, triton.cdiv(n, c.bn), nsplit)
-    has_bias = bias is not None and mode in (0, 3)
-    if c.variant == "fma":
-        _gemv_fma_atomic_kernel[grid](xp, packed, scales, b, y, ws, cnt, n, kw, iters, nsplit, xp.stride(0),
-                                      y.stride(0), BN=c.bn, BW=c.bw, HAS_BIAS=has_bias, REDUCE=mode,
-                                      num_warps=c.warps, num_stages=c.stages)
-    else:
-        _gemv_rows_kernel[grid](xp, packed, scales, b, y, ws, cnt, m, n, kw, iters, nsplit, xp.stride(0),
-                                y.stride(0), BM=c.bm, BN=c.bn, BW=c.bw, HAS_BIAS=has_bias, REDUCE=mode,
-                                num_warps=c.warps, num_stages=c.stages)
-    if mode in (1, 2):
+    _gemv_rows_kernel[(mt, triton.cdiv(n, c.bn), nsplit)](
+        xp, packed, scales, b, y, ws, cnt, m, n, kw, iters, nsplit, xp.stride(0), y.stride(0), BM=c.bm, BN=c.bn,
+        BW=c.bw, HAS_BIAS=bias is not None and mode in (0, 3), REDUCE=mode, num_warps=c.warps, num_stages=c.stages)
+    if mode == 2:
         block = 1024
         gemv._splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, b, y, m, n, 1 if mode == 1 else nsplit, y.stride(0), BLOCK=block, HAS_BIAS=bias is not None,
-            num_warps=4)
+            ws, b, y, m, n, nsplit, y.stride(0), BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
     return y

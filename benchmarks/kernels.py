@@ -176,7 +176,9 @@ def check_prefill(packed, scales, w_ref, m, device, seed, verbose=True, name="",
     d = (xq.int() - xq_ref.int()).abs()
     ok &= check(f"quantize_per_token {name} M={m}", 1.0 if d.max() > 1 else (d > 0).float().mean().item(), 1e-3,
                 verbose)
-    y_ref_int8 = (torch._int_mm(xq_ref, w8_ref.t()).float() * ts_ref[:, None] * rs_ref[None, :])
+    # float64 products of int8 codes are exact, at every M (torch._int_mm refuses M <= 16, which left the
+    # Triton GEMM untimed at M = 4 and 16 before 2026-12-01)
+    y_ref_int8 = ((xq_ref.double() @ w8_ref.double().t()) * ts_ref[:, None].double() * rs_ref[None, :].double())
     y_ref = xr.float() @ w_ref.t()
     ys = [(f"int8_gemm {gemm_config}", int8mm.int8_gemm(xq, w8, ts, rs, None, torch.bfloat16,
                                                        out=nan(m, n, device=device), config=gemm_config))]
@@ -527,6 +529,8 @@ def bench_served_all_reduce(device, c: int, record) -> None:
 
 
 def fmt_table(rows, erows, bw) -> str:
+    from bonsai_vllm.ternary.kernels import int8mm
+
     out = [f"copy bandwidth (1 GiB D2D, read+write, best of three ways): {bw / 1e12:.2f} TB/s", "",
            "| layer K→N | M | ours µs | path (config) | bf16 cuBLAS µs | × vs bf16 | deq→bf16 mm µs | × vs deq | "
            "floor µs | ours/floor | ternary-weight floor µs | best variant µs |",
@@ -555,7 +559,9 @@ def fmt_table(rows, erows, bw) -> str:
             "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "quant_us" in r:
-            tg = f"{r['triton_gemm_us']:.1f} {r['triton_gemm_cfg']}" if "triton_gemm_us" in r else "failed"
+            # no Triton GEMM row where the dispatch takes cuBLAS _int_mm and no sweep ran ("–"), or where it failed
+            tg = (f"{r['triton_gemm_us']:.1f} {r['triton_gemm_cfg']}" if "triton_gemm_us" in r
+                  else "–" if int8mm.default_config(r["M"], r["N"], r["K"]).backend != "triton" else "failed")
             im = f"{r['int_mm_us']:.1f}" if "int_mm_us" in r else "–"
             out.append(f"| {r['layer']} | {r['M']} | {r['quant_us']:.1f} ({r['quant_bm']}) | {im} | "
                        f"{tg} | {r['expand_us']:.1f} |")

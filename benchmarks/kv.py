@@ -6,19 +6,24 @@ One run:
 1. checks on fresh random data at real shapes (24 query / 4 KV heads and the TP=2 rank's 12 / 2,
    head_dim 256, 8k tokens of context + sinks + window, outputs poisoned first):
    - store kernel against reference.store_ref (bytes; codes may differ by one at rounding ties);
-   - decode kernel against reference.decode_ref for each unpack variant (the served one, and the measured
-     ones of benchmarks/kv_variants.py), grouped and one program per query head, K3V2 and K2V2, 1 and 2
-     query positions (MTP verify rows);
+   - the served decode kernel (`bonsai_vllm.kv.kernels.decode.decode`) against reference.decode_ref,
+     grouped and one program per query head (heads_per_program=1, the baseline), K3V2 and K2V2, 1 and 2
+     query positions (MTP verify rows), then every launch configuration the sweep times;
    - the GQA trap: a head tile of 8 over groups of 6 must be caught by the same comparison;
    - the whole layer (LayerKVCache, kernels) against the same layer on the reference, with flushes;
-   a failed check is printed and makes the exit status 1; a variant that fails is not timed;
+   a failed check is printed and makes the exit status 1; a configuration that fails is not timed;
 2. measures device-to-device copy bandwidth (bytes read + written): the ceiling for streaming the cache;
-3. sweeps kernel configurations at 80k tokens (full model shape, grouped), keeps the fastest;
+3. sweeps the served kernel's launch knobs at 80k tokens (full model shape, grouped, then per-head):
+   DecodeConfig's block_n / warps / stages and the programs auto_splits aims the split count at; keeps
+   the fastest of each;
 4. times decode attention of one full-attention layer at 8k / 32k / 80k tokens of context for both
    shapes: K3V2 grouped, K3V2 one program per query head, bf16 SDPA (PyTorch, GQA), and the floor
    (compressed bytes / copy bandwidth), as CUDA-graph replays over enough cache copies that the
    timed reads do not come from L2;
 5. prints one table and writes bench-kv.md / bench-kv.json to --out (default $OUT or .).
+
+The other unpackings ("cvt", "bits") and per-piece product chains (ILP) were measured against the served
+kernel and dropped (docs/kv-cache.md has the figures); only the served kernel is checked and timed.
 
 `--prefill` instead checks and times prefill rows (`PagedK3V2.prefill_row`, one TP=2 rank's 12 / 2 heads,
 the 27B's served block of 2176): the decode-kernel route against the chunked torch route at D = 256, then both
@@ -28,6 +33,7 @@ routes' time and peak extra memory beside bf16 SDPA (flash, no mask) over the sa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -39,7 +45,6 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels import time_eager, time_graph
-from benchmarks.kv_variants import DecodeVariant
 from bonsai_vllm.kv import reference as ref
 from bonsai_vllm.kv.format import K2V2, K3V2, KVFormat
 from bonsai_vllm.kv.kernels.decode import DecodeConfig
@@ -52,12 +57,31 @@ SM_SCALE = D ** -0.5
 L2_BYTES = 60 << 20  # H200 (KINDS.md)
 
 FAILURES: list[str] = []
-CFG_OK: dict[tuple, bool] = {}
+CFG_OK: dict[DecodeConfig, bool] = {}  # what compiles and is checked (the split target only changes the grid)
 
 
-def _cfg_key(cfg: DecodeVariant) -> tuple:
-    """What compiles and is checked (the split target only changes the grid)."""
-    return (cfg.unpack, cfg.config.block_n, cfg.config.warps, cfg.config.stages, int(cfg.ilp))
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One decode configuration of the sweep: the served kernel's launch knobs and the programs
+    decode.auto_splits aims the split count at (264: one wave of 2 per SM on the H200)."""
+
+    config: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)  # block_n, block_w, warps, stages
+    target: int = 264
+
+    def to_dict(self) -> dict:
+        """Flat, as bench-kv.json records it (and `from_dict` reads it back)."""
+        return dict(dataclasses.asdict(self.config), target=self.target)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Candidate:
+        """Also the older files, whose `unpack` / `ilp` (of kernel variants since dropped) are ignored."""
+        names = {f.name for f in dataclasses.fields(DecodeConfig)}
+        return cls(DecodeConfig(**{k: v for k, v in d.items() if k in names}), target=d.get("target", 264))
+
+    def __str__(self) -> str:
+        c = self.config
+        return f"block_n={c.block_n} block_w={c.block_w} warps={c.warps} stages={c.stages} target={self.target}"
+
 
 LOG: list[str] = []
 T0 = time.time()
@@ -179,56 +203,43 @@ def check_store(dev: str, t: int = 4096) -> None:
               f"skipped slots untouched {untouched}")
 
 
-def check_decode(dev: str, ctx: int = 8192, variants=(0, 1, 2), quick: bool = False) -> dict[int, bool]:
-    from benchmarks.kv_variants import decode_variant
+def check_decode(dev: str, ctx: int = 8192) -> None:
     from bonsai_vllm.kv.kernels.decode import decode
 
     say("decode kernel vs reference.decode_ref (8k tokens + sinks + window)")
-    unpack_ok = {}
-    cases = []
-    for unpack in variants:
-        for shape in ("full", "rank"):
-            for ql in (1, 2):
-                cases.append((K3V2, shape, ql, unpack, True))
-    cases += [(K3V2, "full", 1, 2, False), (K3V2, "rank", 2, 2, False), (K2V2, "full", 1, 2, True),
-              (K2V2, "rank", 2, 0, True)]
-    if quick:  # the default variant only (plus the baseline and the other format)
-        cases = [c for c in cases if c[3] == 2] + [(K3V2, "full", 1, 0, True)]
-    for fmt, shape, ql, unpack, grouped in cases:
+    cases = [(K3V2, shape, ql, True) for shape in ("full", "rank") for ql in (1, 2)]
+    cases += [(K3V2, "full", 1, False), (K3V2, "rank", 2, False), (K2V2, "full", 1, True), (K2V2, "rank", 2, True)]
+    for fmt, shape, ql, grouped in cases:
         hq, hkv = SHAPES[shape]
-        cx = Ctx(fmt, hq, hkv, ctx, 1, ql=ql, seed=100 * ql + 10 * unpack + hkv, dev=dev)
+        cx = Ctx(fmt, hq, hkv, ctx, 1, ql=ql, seed=100 * ql + 10 * fmt.k_bits + hkv + (0 if grouped else 1), dev=dev)
         want = ref.decode_ref(*cx.args(0))
         out = torch.full_like(want, float("nan"))
         try:
-            decode_variant(*cx.args(0), variant=DecodeVariant(unpack=unpack),
-                           heads_per_program=None if grouped else 1, num_splits=7, out=out)
+            decode(*cx.args(0), heads_per_program=None if grouped else 1, num_splits=7, out=out)
             err = ref.rel_err(out, want)
-        except Exception as e:  # a variant that does not compile on this Triton is reported, not fatal
-            err, msg = math.inf, f"{type(e).__name__}: {str(e)[:200]}"
-            say("   ", msg)
-        ok = check(f"decode {fmt.name} {shape} QL={ql} unpack={unpack} {'grouped' if grouped else 'per-head'}",
-                   err < 2e-3, f"rel err {err:.2e} (tol 2e-3)")
-        if grouped and fmt is K3V2:
-            unpack_ok[unpack] = unpack_ok.get(unpack, True) and ok
+        except Exception as e:  # reported as a failed check, not fatal: the other checks still run
+            err = math.inf
+            say(f"    {type(e).__name__}: {str(e)[:200]}")
+        check(f"decode {fmt.name} {shape} QL={ql} {'grouped' if grouped else 'per-head'}", err < 2e-3,
+              f"rel err {err:.2e} (tol 2e-3)")
     # the GQA trap: tiles of 8 heads over groups of 6 read the wrong KV head for some rows
     cx = Ctx(K3V2, 24, 4, ctx, 1, seed=5, dev=dev)
     want = ref.decode_ref(*cx.args(0))
-    # every configuration the sweep will time, on the same data (tile shapes, warps, ILP, stages)
-    for cfg in SWEEP + PER_HEAD_SWEEP:
-        key = _cfg_key(cfg)
-        if key in CFG_OK:
+    # every configuration the sweep will time, on the same data (tile shapes, warps, stages)
+    for cand in SWEEP + PER_HEAD_SWEEP:
+        cfg = cand.config
+        if cfg in CFG_OK:
             continue
         try:
-            out = decode_variant(*cx.args(0), variant=cfg, num_splits=7)
+            out = decode(*cx.args(0), config=cfg, num_splits=7)
             err = ref.rel_err(out, want)
-        except Exception as e:
+        except Exception as e:  # a configuration that does not compile on this Triton is reported, not timed
             err = math.inf
             say(f"    {type(e).__name__}: {str(e)[:200]}")
-        CFG_OK[key] = check(f"decode config {key}", err < 2e-3, f"rel err {err:.2e}")
+        CFG_OK[cfg] = check(f"decode config {cfg}", err < 2e-3, f"rel err {err:.2e}")
     bad = decode(*cx.args(0), heads_per_program=8, _unsafe=True, num_splits=7)
     err = ref.rel_err(bad, want)
     check("GQA trap (head tile 8 over group 6) is caught", err > 0.05, f"rel err {err:.2f} (must be > 0.05)")
-    return unpack_ok
 
 
 def check_layer(dev: str, n0: int = 3000, steps: int = 70) -> None:
@@ -287,15 +298,14 @@ def copy_bandwidth(dev: str) -> dict:
     return out
 
 
-def time_decode(cx: Ctx, grouped: bool, cfg: DecodeVariant, splits: int | None = None) -> float:
-    from benchmarks.kv_variants import decode_variant
-    from bonsai_vllm.kv.kernels.decode import auto_splits
+def time_decode(cx: Ctx, grouped: bool, cand: Candidate, splits: int | None = None) -> float:
+    from bonsai_vllm.kv.kernels.decode import auto_splits, decode
 
     # programs per split: one per KV head (grouped) or one per query head
-    s = splits or auto_splits(cx.nq, 1, cx.hkv if grouped else cx.hq, cfg.config.block_n,
-                              target_programs=cfg.target)
-    fns = [(lambda c=c: decode_variant(*cx.args(c), variant=cfg, heads_per_program=None if grouped else 1,
-                                       num_splits=s))
+    s = splits or auto_splits(cx.nq, 1, cx.hkv if grouped else cx.hq, cand.config.tile(BLOCK_SIZE),
+                              target_programs=cand.target)
+    fns = [(lambda c=c: decode(*cx.args(c), config=cand.config, heads_per_program=None if grouped else 1,
+                               num_splits=s))
            for c in calls(0, cx.copies)]
     return graph_time(fns)
 
@@ -311,30 +321,28 @@ def time_sdpa(hq: int, hkv: int, ctx: int, ql: int, dev: str) -> float:
     return graph_time(fns)
 
 
-# Candidates (benchmarks/kv_variants.DecodeVariant: DecodeConfig's block_n / warps / stages, stages None:
-# Triton's default; unpack, ilp; target programs of decode.auto_splits, since run 2 counting the bf16 part's
-# program too). Run 2 (2026-11-29, H200, Triton 3.6) at 80k, full shape, as (unpack, block_n, warps, stages,
-# ilp, target): (2,128,4,2,0,264) 53.0 µs best; (2,128,4,None,0,264) 56.5; (2,128,4,None,0,528) 62.8;
-# ILP 62.9; BLOCK_N 64: 69.8-75.9; unpack 0: 104.7.
-def _candidate(unpack: int, block_n: int, warps: int, stages: int | None, ilp: bool, target: int) -> DecodeVariant:
-    return DecodeVariant(DecodeConfig(block_n=block_n, warps=warps, stages=stages), unpack=unpack, ilp=ilp,
-                         target=target)
+# Candidates: DecodeConfig's block_n / warps / stages (stages None: Triton's default) and the target programs
+# of decode.auto_splits (since run 2 counting the bf16 part's program too). Run 2 (2026-11-29, H200, Triton
+# 3.6) at 80k, full shape, as (block_n, warps, stages, target): (128,4,2,264) 53.0 µs best (now the served
+# default); (128,4,None,264) 56.5; (128,4,None,528) 62.8; BLOCK_N 64: 69.8-75.9. The variants it also timed
+# (ILP 62.9, unpack 0 104.7) were dropped from the bench (docs/kv-cache.md).
+def _candidate(block_n: int, warps: int, stages: int | None, target: int) -> Candidate:
+    return Candidate(DecodeConfig(block_n=block_n, warps=warps, stages=stages), target=target)
 
 
 SWEEP = [
-    _candidate(unpack=2, block_n=128, warps=4, stages=2, ilp=False, target=264),  # run 2's best (served)
-    _candidate(unpack=2, block_n=128, warps=4, stages=None, ilp=False, target=264),
-    _candidate(unpack=2, block_n=64, warps=4, stages=None, ilp=True, target=264),
-    _candidate(unpack=2, block_n=64, warps=2, stages=None, ilp=True, target=528),
-    _candidate(unpack=2, block_n=64, warps=2, stages=None, ilp=False, target=528),
-    _candidate(unpack=2, block_n=128, warps=4, stages=None, ilp=False, target=528),
-    _candidate(unpack=2, block_n=64, warps=4, stages=None, ilp=True, target=528),
-    _candidate(unpack=2, block_n=64, warps=2, stages=None, ilp=True, target=1056),
-    _candidate(unpack=2, block_n=128, warps=4, stages=None, ilp=True, target=264),
-    _candidate(unpack=0, block_n=64, warps=4, stages=None, ilp=True, target=528),
+    _candidate(block_n=128, warps=4, stages=2, target=264),  # run 2's best (the served default)
+    _candidate(block_n=128, warps=4, stages=None, target=264),
+    _candidate(block_n=128, warps=4, stages=2, target=528),
+    _candidate(block_n=128, warps=4, stages=None, target=528),
+    _candidate(block_n=64, warps=4, stages=None, target=264),
+    _candidate(block_n=64, warps=4, stages=None, target=528),
+    _candidate(block_n=64, warps=2, stages=None, target=528),
+    _candidate(block_n=64, warps=2, stages=None, target=1056),
 ]
-PER_HEAD_SWEEP = [_candidate(unpack=2, block_n=128, warps=4, stages=None, ilp=False, target=528),
-                  _candidate(unpack=2, block_n=64, warps=2, stages=None, ilp=True, target=1056)]
+PER_HEAD_SWEEP = [_candidate(block_n=128, warps=4, stages=None, target=528),
+                  _candidate(block_n=128, warps=4, stages=2, target=528),
+                  _candidate(block_n=64, warps=2, stages=None, target=1056)]
 
 
 PREFILL_CASES = [(8192, 512), (32768, 512), (130560, 512), (129024, 2048), (4000, 37), (40000, 20)]  # (ctx, QL)
@@ -394,8 +402,8 @@ def bench_prefill(dev: str) -> str:
     return "\n".join(lines)
 
 
-def sweep_configs(cx: Ctx, grouped: bool, cfgs: list[DecodeVariant], label: str, stop_s: float | None = None,
-                  note=lambda t: "") -> list[tuple[float, DecodeVariant]]:
+def sweep_configs(cx: Ctx, grouped: bool, cfgs: list[Candidate], label: str, stop_s: float | None = None,
+                  note=lambda t: "") -> list[tuple[float, Candidate]]:
     """Time decode with each configuration (one that raises is reported and skipped); stop past stop_s
     seconds of the run once something was timed. -> [(µs, cfg)]"""
     rows = []
@@ -418,7 +426,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=330.0, help="stop sweeping/timing extras past this")
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--quick-checks", action="store_true", help="decode checks of the default variant only")
+    ap.add_argument("--quick-checks", action="store_true", help="skip the store check (decode and layer checks only)")
     ap.add_argument("--profile", metavar="JSON",
                     help="only run one 80k full-shape decode twice with this config (a bench-kv.json, whose "
                          "'best' is used, or a config dict), for `ncu -k regex:_decode --launch-skip 1`")
@@ -435,18 +443,17 @@ def main(argv=None) -> int:
         return _finish(args, {"prefill": True}, bench_prefill(dev))
 
     if args.profile:
-        from benchmarks.kv_variants import decode_variant
-        from bonsai_vllm.kv.kernels.decode import auto_splits
+        from bonsai_vllm.kv.kernels.decode import auto_splits, decode
 
         src = Path(args.profile)
         raw = json.loads(src.read_text()) if src.exists() else json.loads(args.profile)
-        cfg = DecodeVariant.from_dict(raw.get("best", raw))
+        cand = Candidate.from_dict(raw.get("best", raw))
         cx = Ctx(K3V2, 24, 4, CONTEXTS[-1], 1, dev=dev)
-        splits = auto_splits(cx.nq, 1, cx.hkv, cfg.config.block_n, target_programs=cfg.target)
+        splits = auto_splits(cx.nq, 1, cx.hkv, cand.config.tile(BLOCK_SIZE), target_programs=cand.target)
         for _ in range(2):
-            decode_variant(*cx.args(0), variant=cfg, num_splits=splits)
+            decode(*cx.args(0), config=cand.config, num_splits=splits)
         torch.cuda.synchronize()
-        print(f"profiled config {cfg}, {splits} splits")
+        print(f"profiled config {cand}, {splits} splits")
         return 0
 
     try:
@@ -463,13 +470,11 @@ def _run(args, dev, triton) -> int:
     say(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
 
-    if args.quick_checks:
-        unpack_ok = check_decode(dev, quick=True)
-    else:
+    if not args.quick_checks:
         check_store(dev)
-        unpack_ok = check_decode(dev)
+    check_decode(dev)
     check_layer(dev)
-    say(f"checks done at {elapsed():.0f} s; usable unpack variants: {[u for u, ok in unpack_ok.items() if ok]}")
+    say(f"checks done at {elapsed():.0f} s")
 
     bws = copy_bandwidth(dev)
     bw = max(bws.values())
@@ -478,7 +483,7 @@ def _run(args, dev, triton) -> int:
         + f"; floor uses {bw / 1e12:.2f}")
 
     # ---- sweep at 80k, full shape, grouped
-    sweep = [c for c in SWEEP if CFG_OK.get(_cfg_key(c), False)]
+    sweep = [c for c in SWEEP if CFG_OK.get(c.config, False)]
     if args.no_sweep:
         sweep = sweep[:1]
     cx = Ctx(K3V2, 24, 4, CONTEXTS[-1], copies_for(CONTEXTS[-1] * 4 * K3V2.slot_bytes), dev=dev)
@@ -490,7 +495,7 @@ def _run(args, dev, triton) -> int:
         FAILURES.append("sweep: nothing timed")
         return _finish(args, results, "")
     best = min(rows, key=lambda r: r[0])[1]
-    per_head = [c for c in (PER_HEAD_SWEEP if not args.no_sweep else PER_HEAD_SWEEP[:1]) if CFG_OK.get(_cfg_key(c), False)]
+    per_head = [c for c in (PER_HEAD_SWEEP if not args.no_sweep else PER_HEAD_SWEEP[:1]) if CFG_OK.get(c.config, False)]
     ph_rows = sweep_configs(cx, False, per_head, "per-head")
     best_ph = min(ph_rows, key=lambda r: r[0])[1] if ph_rows else best
     results["sweep"] = [dict(cfg.to_dict(), us=t) for t, cfg in rows]

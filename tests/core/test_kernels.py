@@ -145,7 +145,7 @@ def _case_id(v) -> str:
 
 def _gemv(*args, config: GemvConfig, **kw) -> torch.Tensor:
     """The served gemv.ternary_gemv, or benchmarks/gemv_variants.py's for a measured-only variant."""
-    if config.variant == "rows" or config.reduce == "atomic":
+    if config.variant == "rows":
         return gemv_variants.ternary_gemv_variant(*args, config=config, **kw)
     return gemv.ternary_gemv(*args, config=config, **kw)
 
@@ -164,16 +164,14 @@ def test_gemv_matches_reference(config, m):
 
 # Split-K and multi-row FMA variants: (config, M). K = 1152 is 72 words: 5 steps of BW = 16 (the last one
 # half masked), so a split of 2 or 3 leaves a short last slice; M = 5 with BM = 4 leaves a partial row tile.
-# "rows" and the "atomic" reduction are benchmarks/gemv_variants.py's (measured, not dispatched).
+# "rows" is benchmarks/gemv_variants.py's (measured, not dispatched).
 SPLIT_CASES = [(GemvConfig(variant="fma", bm=1, bn=16, bw=16, warps=4, stages=1, split=2, reduce="fixup"), 1),
                (GemvConfig(variant="fma", bm=1, bn=16, bw=16, warps=4, stages=1, split=3, reduce="fixup"), 2),
                (GemvConfig(variant="fma", bm=1, bn=32, bw=16, warps=2, stages=1, split=3, reduce="pass"), 1),
-               (GemvConfig(variant="fma", bm=1, bn=16, bw=16, warps=4, stages=1, split=2, reduce="atomic"), 3),
                (GemvConfig(variant="rows", bm=2, bn=16, bw=16, warps=4, stages=1), 2),
                (GemvConfig(variant="rows", bm=4, bn=16, bw=32, warps=4, stages=1), 5),
                (GemvConfig(variant="rows", bm=4, bn=16, bw=16, warps=4, stages=1, split=3, reduce="fixup"), 5),
-               (GemvConfig(variant="rows", bm=2, bn=32, bw=16, warps=2, stages=1, split=2, reduce="pass"), 3),
-               (GemvConfig(variant="rows", bm=4, bn=16, bw=16, warps=4, stages=1, split=2, reduce="atomic"), 4)]
+               (GemvConfig(variant="rows", bm=2, bn=32, bw=16, warps=2, stages=1, split=2, reduce="pass"), 3)]
 
 
 @pytest.mark.parametrize("config,m", SPLIT_CASES, ids=_case_id)
@@ -190,7 +188,7 @@ def test_gemv_split_and_rows_match_reference(config, m):
         assert torch.equal(_gemv(x, packed, scales, bias, config=config), y)
 
 
-@pytest.mark.parametrize("reduce", ["fixup", "pass", "atomic"])
+@pytest.mark.parametrize("reduce", ["fixup", "pass"])
 @pytest.mark.parametrize("variant", ["fma", "rows"])
 def test_gemv_split_dropping_a_slice_is_caught(monkeypatch, variant, reduce):
     """A split that loses one K-slice (here: a plan one slice short) must fail the reference check."""

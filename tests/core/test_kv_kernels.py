@@ -21,7 +21,6 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton is not installed: the kernels are optional, the reference is used")
 
-from benchmarks import kv_variants  # noqa: E402  (the measured-only decode variants bench_kv times)
 from bonsai_vllm.kv import reference as ref  # noqa: E402
 from bonsai_vllm.kv.kernels import decode as dec  # noqa: E402
 from bonsai_vllm.kv.kernels import store as st  # noqa: E402
@@ -37,8 +36,7 @@ SM = D ** -0.5
 TOL = 2e-3  # decode: fp16 rounding of the scaled query (measured ~4e-4)
 
 
-_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.kv.kernels.{name}" for name in ("store", "decode")]
-                                               + ["benchmarks.kv_variants"])
+_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.kv.kernels.{name}" for name in ("store", "decode")])
 
 
 def _pages(fmt, hkv, lens, bs, seed, extra_blocks=3):
@@ -96,32 +94,27 @@ def test_store_rejects_mismatched_shapes():
 
 # --------------------------------------------------------------------------------------------- decode
 
-def _decode(args, block_n: int, unpack: int = 2, ilp: bool = False, **kw):
-    """The served kernel (unpack 2, no ILP), or a measured-only variant of benchmarks/kv_variants.py."""
-    cfg = DecodeConfig(block_n=block_n)
-    if unpack == 2 and not ilp:
-        return dec.decode(*args, config=cfg, **kw)
-    return kv_variants.decode_variant(*args, variant=kv_variants.DecodeVariant(cfg, unpack=unpack, ilp=ilp), **kw)
+def _decode(args, block_n: int, **kw):
+    return dec.decode(*args, config=DecodeConfig(block_n=block_n), **kw)
 
 
-@pytest.mark.parametrize("unpack", [0, 1, 2])
-def test_decode_grouped_24q_4kv(unpack):
+def test_decode_grouped_24q_4kv():
     """All 6 query heads of a KV head per program; two sequences of different lengths (one page
-    partly filled), several splits (one empty), the bf16 part, each unpack variant (2 is the served one)."""
-    args = _case(K3V2, 24, 4, lens=[100, 40], wins=[20, 5], ql=1, seed=unpack)
+    partly filled), several splits (one empty), the bf16 part."""
+    args = _case(K3V2, 24, 4, lens=[100, 40], wins=[20, 5], ql=1, seed=2)
     want = ref.decode_ref(*args)
     out = torch.full_like(want, float("nan"))
-    _decode(args, 16, unpack, num_splits=4, out=out)
+    _decode(args, 16, num_splits=4, out=out)
     assert ref.rel_err(out, want) < TOL
 
 
 def test_decode_verify_rows_and_k2v2():
     """QL = 2 (speculative verify rows: causal inside the bf16 part), and the K2V2 format."""
-    for fmt, ql, unpack in ((K3V2, 2, 2), (K2V2, 1, 2), (K2V2, 2, 0)):
+    for fmt, ql in ((K3V2, 2), (K2V2, 1), (K2V2, 2)):
         args = _case(fmt, 24, 4, lens=[70, 0], wins=[9, 2], ql=ql, seed=7)
         want = ref.decode_ref(*args)
-        out = _decode(args, 32, unpack, num_splits=3)
-        assert ref.rel_err(out, want) < TOL, (fmt.name, ql, unpack)
+        out = _decode(args, 32, num_splits=3)
+        assert ref.rel_err(out, want) < TOL, (fmt.name, ql)
 
 
 def test_decode_one_program_per_query_head():

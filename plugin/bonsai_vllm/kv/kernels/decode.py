@@ -29,25 +29,22 @@ c·4^i·2^-24, exact; the factor is folded into the query (q·4^-i, exact) and i
 against bit 2i + 1, each half a K = 32 product with a query half pre-scaled by the bit's power of two):
 only ANDs before the products, the byte tiles go to the operand layout directly. Relies on the tensor
 cores taking fp16 subnormals as they are: checked against the reference on the H200 (bench_kv). K tiles
-are loaded transposed ([dims, tokens]: the B operand of q·kᵀ as consumed), V tiles as they are. H200,
-bench_kv run 2 (80k tokens, 24/4 heads, one layer): 53 µs, 60 warp-instructions per token per KV head in
-the main loop (~38 would keep pace with HBM). What it was measured against lives in
-benchmarks/kv_variants.py (bench_kv still runs it): "cvt", ((byte >> 2i) & 3) → integer-to-fp16
-conversion, which issues at a quarter of the integer rate on Hopper, 2·D per token: 105 µs (BLOCK_N 64);
-"bits", the third key bit moved beside the low two by a per-column shift: 105 µs (run 1, before the 2-D
-merge); and independent per-piece product chains (ILP), which spilled at BLOCK_N 128: 62.9 µs.
+are loaded transposed ([dims, tokens]: the B operand of q·kᵀ as consumed), V tiles as they are. The
+alternatives it was measured against (integer-to-fp16 conversion of shifted codes, which issues at a quarter
+of the integer rate on Hopper; the third key bit shifted beside the low two; independent per-piece product
+chains, which spilled) were about 2× slower or spilled, and are gone: figures in docs/kv-cache.md and
+docs/benchmarks.md (`make bench-kv`).
 
 Accumulating. v̂ = c·s + m with codes c ∈ {0 … 3}: Σ p·s·c carries an offset of about 1.5·s·Σp per
 dimension that the min term Σ p·m cancels, so with diffuse attention over a long split the two are far
 larger than the output (randn data: ~2.3 against ~1/√(tokens)). The tensor cores add each product to the
 float32 accumulator truncated toward zero at 2^-2 ulp of the largest term (measured on the H200: products
 under a quarter ulp of the accumulator vanish; tests/core/tensor_cores.py models it), so a split of tens of
-thousands of tokens lost a few 1e-4 of that offset: 4.6e-2 relative error at 48 rows of 40-80k tokens (one
-split each), 2.1e-1 for a 512-token prefill row at 130k (gpu-check, 2026-12-01). So each tile's product
-starts from zero, and the codes' mean 3/2 is taken out (Σ pv·(c − 3/2) = tile − 3/2·Σ pv, the offset added
-to the min term) before the tile joins the accumulator: 4.9e-4 there, at 1-3 % of the kernel's time.
-Centring the codes before the products instead (exact fp16 arithmetic on the bits) was as accurate and
-7-15 % slower.
+thousands of tokens loses a few 1e-4 of that offset, which is far more than the output's own error (the
+figures before and after this fix: docs/kv-cache.md). So each tile's product starts from zero, and the
+codes' mean 3/2 is taken out (Σ pv·(c − 3/2) = tile − 3/2·Σ pv, the offset added to the min term) before
+the tile joins the accumulator. Centring the codes before the products instead (exact fp16 arithmetic on
+the bits) was as accurate and slower.
 """
 
 from __future__ import annotations

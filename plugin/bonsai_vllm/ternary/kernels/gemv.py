@@ -35,22 +35,18 @@ Two variants (`GemvConfig.variant`; `default_config` picks one per shape):
   relative 2^-9 per group, what dequantizing to bf16 does), x' in bf16; M padded to BM >= 16 (the decode
   is the cost).
 
-Measured and not dispatched, so kept in benchmarks/gemv_variants.py (bench_decode still times them): the
-"atomic" split-K reduction (fp32 atomic_add into a zeroed buffer, then a cast pass: slowest of the three
-everywhere), and `rows`, one program decoding a weight tile once for BM rows held in registers (acc
-[BM, BN, BW], 3 + BM instructions per weight instead of ~3.3·BM). `rows` lost to `fma` at M = 2
-(1.1-1.3× slower) and to `dot` at M = 4 … 16 (1.0-1.4× at 4 rows, 1.4-2.7× at 8-16), its time growing ~3×
-faster per row than the FFMA issue rate predicts: Triton loads each x' tile [BM, BW] in a layout of its own
-and converts it to the accumulator's through shared memory, with two barriers per code position (32 per
-step) that hold the warps in step (ptxas sm_90: STSM + LDSM + 2 BAR per x' load).
+Measured and not dispatched (figures in docs/benchmarks.md, `make bench-decode`): `rows` (benchmarks/
+gemv_variants.py), one program decoding a weight tile once for BM rows held in registers. It lost to `fma`
+at M = 2 and to `dot` at M = 4 … 16 because Triton converts each x' tile [BM, BW] to the accumulator's
+layout through shared memory, two barriers per code position (ptxas sm_90: STSM + LDSM + 2 BAR per load).
+The "atomic" split-K reduction (fp32 atomic_add, then a cast pass) was the slowest of the three everywhere
+and is gone.
 
-Measured on the H200 (docs/benchmarks.md, `make bench-decode`): split-K took `fma` at M = 1 from 0.8-1.9×
-to 1.4-2.1× the speed of bf16 cuBLAS (down 33.7 -> 13.6 µs: 80 programs of 17 steps became 160 tiles × 6 slices
-of <= 3 steps). It is still 3.8-7.5× over the floor for reading the codes once: ~3.3 instructions per weight
-against the ~2 the issue rate allows at full bandwidth, and ~2 µs of launch and ramp on layers whose floor
-is 1 µs. `dot` is slower than bf16 cuBLAS: Triton moves each decoded [BN, BW] operand through shared
-memory behind a barrier, per small dot (~9 instructions per weight in the SASS); with W8 kept at load the
-int8 GEMM (int8mm.py, BM = 16) is faster from M = 3 and linear.py takes it there.
+Where these stand against bf16 cuBLAS and the byte floor: docs/benchmarks.md (`make bench-kernels`). What
+keeps `fma` above the floor is instructions (~3.3 per weight against the ~2 the issue rate allows at full
+bandwidth) and the launch and ramp of layers whose floor is about 1 µs; `dot` pays ~9 instructions per
+weight (each decoded [BN, BW] operand goes through shared memory behind a barrier, per small dot), so with
+W8 kept at load the int8 GEMM (int8mm.py, BM = 16) takes over from M = 3 (linear.py).
 """
 
 from __future__ import annotations
@@ -87,7 +83,7 @@ if triton is not None:
         REDUCE 0: no split, v is the answer. 2 ("pass"): store the partial at ws[pid_s] [SPLIT, M, N] (a
         reduce pass follows). 3 ("fixup"): store the partial, then the program that finishes its tile last
         sums ws[0..SPLIT) in order (deterministic) and writes y; it resets the tile's counter to 0 for the
-        next launch. (1, "atomic", is benchmarks/gemv_variants.py's.)
+        next launch. (1 was the dropped "atomic" reduction.)
         """
         if REDUCE == 0:
             if HAS_BIAS:
@@ -313,7 +309,7 @@ def ternary_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
     c = config or default_config(m, n, k)
     if c.variant not in ("fma", "dot"):
         raise ValueError(f"ternary_gemv: unknown variant {c.variant!r} in config {c} (the measured-only "
-                         "variants are benchmarks/gemv_variants.py's)")
+                         "rows variant is benchmarks/gemv_variants.py's)")
     if prepared:
         xp = x.reshape(m, k)
         out_dtype = out_dtype or torch.bfloat16
@@ -335,7 +331,7 @@ def ternary_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bi
     iters, nsplit = split_plan(kw, c.bw, c.split)
     if nsplit > 1 and c.reduce not in REDUCE:
         raise ValueError(f"ternary_gemv: unknown split-K reduction {c.reduce!r} in config {c} (one of "
-                         f"{sorted(REDUCE)}; \"atomic\" is benchmarks/gemv_variants.py's)")
+                         f"{sorted(REDUCE)})")
     mode = REDUCE[c.reduce] if nsplit > 1 else 0
     cnt = ws = y
     if mode == 3:
