@@ -137,7 +137,7 @@ def test_the_static_check_sees_lazy_and_indirect_imports(tmp_path, snippet, reac
 
 
 def test_no_file_points_outside_the_repository():
-    # A clone has no DESIGN.md or field reports beside it: docs/design.md and docs/field-reports.md are ours.
+    # A clone has no design notes or field reports beside it: docs/design.md and docs/field-reports.md are ours.
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     assert "docs/design.md" in files and "docs/field-reports.md" in files
     bad = []
