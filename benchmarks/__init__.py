@@ -1,11 +1,13 @@
 """Benchmarks: each prints ratios measured side by side in one run; docs/benchmarks.md records them.
 
-    harness.py  CUDA timing shared by the GPU benchmarks (CUDA-graph replays over L2-missing weight copies)
-    kernels.py  make bench-kernels: ternary linear, Hadamard, int8 all-reduce vs bf16 cuBLAS and the byte floor
+    kernels.py  make bench-kernels: ternary linear, Hadamard, int8 all-reduce vs bf16 cuBLAS and the byte floor;
+                also the harness the other GPU benchmarks import from it (time_graph: CUDA-graph replays over
+                weight copies that miss L2; copy_bandwidth; random layers; poisoned outputs; checks)
     decode.py   make bench-decode: decode GEMV candidates at M = 1 … 16
     kv.py       make bench-kv: K3V2 store / decode / prefill kernels
     gemv_variants.py  the multi-row GEMV `rows` that decode.py times and the served dispatch never launches
                 (the package's kernel files hold only what it does)
+    codes_gemm.py  issue 19's candidate: int8 GEMM decoding the codes itself (no W8); measured slower
     priority.py make bench-priority: chat TTFT behind agents, scheduler on vs off (vLLM-CPU)
     gateway.py  make bench-proxy: the gateway's overhead, direct vs through nginx
 
