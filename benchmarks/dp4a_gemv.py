@@ -18,7 +18,8 @@ One run: checks every configuration against the float32 reference (ternary.refer
 data, then times it beside the served GEMV (`ternary_linear`, W8 not kept) and bf16 cuBLAS as CUDA-graph
 replays over weight copies that miss L2, and prints the fraction of copy bandwidth each reaches. The
 activation preparation (torch here, a handful of small launches) is timed apart: a served version would
-fold it into the rotation kernel that already writes x' once per call.
+fold it into the rotation kernel that already writes x' once per call. Measured: docs/benchmarks.md
+(1.7–1.9× the served GEMV on the H200, 3e-5 error).
 """
 
 from __future__ import annotations
