@@ -77,9 +77,14 @@ def vllm(scripted_model):
 
 class Recorder:
     """Between the gateway and vLLM: passes every request and its (streamed) response through unchanged,
-    keeping the request bodies, so a test can replay what the UI really sent."""
+    keeping the request bodies, so a test can replay what the UI really sent.
 
-    def __init__(self, upstream: str):
+    A streamed answer is relayed one server-sent event at a time, `pace` seconds apart: the tiny model on CPU
+    writes its ~30 tokens in well under one of the browser's 50 ms samples on a fast machine (CI once saw the
+    answer appear whole), where the served model at 90 tok/s takes ~11 ms a token. Pacing at 20 events a
+    second gives the page time to show the answer growing; the bytes are unchanged."""
+
+    def __init__(self, upstream: str, pace: float = 0.05):
         import http.server
         import threading
 
@@ -101,9 +106,20 @@ class Recorder:
                             self.send_header(k, v)
                     self.send_header("Connection", "close")
                     self.end_headers()
-                    for chunk in r.iter_content(chunk_size=None):
-                        self.wfile.write(chunk)
-                        self.wfile.flush()
+                    if r.headers.get("content-type", "").startswith("text/event-stream"):
+                        pending = b""
+                        for chunk in r.iter_content(chunk_size=None):
+                            pending += chunk
+                            *events, pending = pending.split(b"\n\n")
+                            for event in events:
+                                self.wfile.write(event + b"\n\n")
+                                self.wfile.flush()
+                                time.sleep(pace)
+                        self.wfile.write(pending)
+                    else:
+                        for chunk in r.iter_content(chunk_size=None):
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
 
             do_GET = do_POST = _relay
 
