@@ -77,6 +77,7 @@ class Gateway:
     """proxy/run-local.sh in its own run directory, logs kept for the assertions and for failures."""
 
     def __init__(self, run_dir: Path, upstream: str, keys_file: Path, env: dict[str, str] | None = None):
+        """upstream: one model server's URL, or several, comma-separated (run-local.sh's UPSTREAMS)."""
         self.run_dir = run_dir
         self.upstream = upstream
         self.keys_file = keys_file
@@ -88,10 +89,11 @@ class Gateway:
         self.access_log = run_dir / "access.log"
         self.stderr_path = run_dir / "stderr.log"
         self.env = dict(os.environ)
-        for name in ("UPSTREAM_API_KEY", "PROXY_MAX_BODY_BYTES", "PROXY_RPM", "PROXY_CONCURRENT"):
+        for name in ("UPSTREAM", "UPSTREAM_API_KEY", "UPSTREAM_FAIL_TIMEOUT", "PROXY_MAX_BODY_BYTES", "PROXY_RPM",
+                     "PROXY_CONCURRENT"):
             self.env.pop(name, None)
         self.env.update({
-            "UPSTREAM": upstream, "PORT": str(self.port), "KEYS": str(keys_file),
+            "UPSTREAMS": upstream, "PORT": str(self.port), "KEYS": str(keys_file),
             "RUN_DIR": str(run_dir), "ACCESS_LOG": str(self.access_log),
             "METRICS_PORT": str(self.metrics_port),
             "PROXY_WORKERS": "2", "PROXY_MAX_BODY_BYTES": str(MAX_BODY),

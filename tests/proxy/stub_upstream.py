@@ -47,8 +47,11 @@ class Seen:
 
 
 class StubUpstream:
-    def __init__(self) -> None:
+    """port: 0 for a free one; a stopped stub's port to bring "the same server" back (a PC rejoining)."""
+
+    def __init__(self, port: int = 0) -> None:
         self.seen: list[Seen] = []
+        self._open: set[socket.socket] = set()  # connections being served, for kill()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         stub = self
@@ -64,6 +67,16 @@ class StubUpstream:
                 # Headers and body go out in two writes; without this, Nagle's algorithm holds the
                 # second until nginx's delayed ACK (40 ms per request).
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with stub._lock:
+                    stub._open.add(self.connection)
+
+            def finish(self):
+                with stub._lock:
+                    stub._open.discard(self.connection)
+                try:
+                    super().finish()
+                except OSError:  # kill() closed it under us
+                    pass
 
             def _read_body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -163,7 +176,7 @@ class StubUpstream:
                         time.sleep(delay)
                     self.wfile.write(frame(b"data: [DONE]\n\n") + (b"0\r\n\r\n" if chunked else b""))
                     self.wfile.flush()
-                except (BrokenPipeError, ConnectionResetError):
+                except OSError:  # the client went away (BrokenPipe, reset), or kill() closed the socket
                     seen.aborted = True
                     self.close_connection = True
 
@@ -171,7 +184,7 @@ class StubUpstream:
             daemon_threads = True
             allow_reuse_address = True
 
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server = Server(("127.0.0.1", port), Handler)
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -183,6 +196,18 @@ class StubUpstream:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+    def kill(self) -> None:
+        """As a server process that dies: stop listening (new connections are refused) and drop every open
+        connection mid-answer, streams included."""
+        self.stop()
+        with self._lock:
+            conns = list(self._open)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def find(self, request_id: str, timeout: float = 5.0) -> Seen:
         """The request the gateway forwarded with this X-Request-Id (waits for it to arrive)."""

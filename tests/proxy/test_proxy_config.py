@@ -42,7 +42,7 @@ def test_run_local_refuses_bad_upstream_and_missing_keys(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text(keys_text())
     result = run_local(tmp_path, KEYS=str(keys), UPSTREAM="https://example:443/v1")
-    assert result.returncode == 2 and "UPSTREAM must look like" in result.stderr
+    assert result.returncode == 2 and "UPSTREAMS must be a comma-separated list of http://host:port" in result.stderr
     result = run_local(tmp_path, KEYS=str(tmp_path / "nope"), UPSTREAM="http://127.0.0.1:9")
     assert result.returncode == 2 and "cannot read keys file" in result.stderr
 

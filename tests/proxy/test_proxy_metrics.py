@@ -189,7 +189,10 @@ def test_no_key_material_in_metrics(counted):
         assert hashlib.md5(k.encode()).hexdigest()[:10] not in text  # nor the log's key_id
     assert "sk-not-a-key-123" not in text
     _, samples = parse_exposition(text)
-    assert {name for _, lab, _ in samples for name in lab} <= {"source", "code", "le"}
+    # Labels stay a small fixed set: sources, statuses, buckets, and the model servers' addresses.
+    assert {name for _, lab, _ in samples for name in lab} <= {"source", "code", "le", "upstream"}
+    addrs = {lab["upstream"] for s, lab, _ in samples if s.startswith("gateway_upstream_requests")}
+    assert addrs and all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in addrs), addrs
 
 
 def test_public_port_does_not_serve_metrics(counted):

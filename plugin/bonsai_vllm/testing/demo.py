@@ -72,7 +72,7 @@ def demo_keys(cache: Path) -> dict[str, str]:
 
 
 def start_gateway(cache: Path, upstream: str, upstream_key: str, port: int) -> subprocess.Popen:
-    env = {**os.environ, "UPSTREAM": upstream, "PORT": str(port), "KEYS": str(cache / "keys"),
+    env = {**os.environ, "UPSTREAMS": upstream, "PORT": str(port), "KEYS": str(cache / "keys"),
            "RUN_DIR": str(cache / "gateway"), "METRICS_PORT": "off", "UPSTREAM_API_KEY": upstream_key,
            "ACCESS_LOG": str(cache / "gateway-access.log")}
     proc = subprocess.Popen([str(REPO / "proxy" / "run-local.sh")], env=env,

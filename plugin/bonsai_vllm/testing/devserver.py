@@ -92,10 +92,20 @@ class VllmServer:
                 *self.args]
 
     def start(self) -> "VllmServer":
+        return self.launch().wait_ready()
+
+    def launch(self) -> "VllmServer":
+        """Start the process without waiting: launch several, then wait_ready() each, and they load in
+        parallel. Call it from the thread that lives as long as the server: the child's death signal
+        (_die_with_parent) follows the *thread* that started it, so a server launched from a pool
+        thread dies with that thread."""
         self.log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.command(), stdout=self.log_file, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
         RUNNING.append(self)
+        return self
+
+    def wait_ready(self) -> "VllmServer":
         why = wait_until_healthy(self.proc, self.url + "/health", self.startup_timeout)
         if why is None:
             return self
@@ -124,6 +134,16 @@ class VllmServer:
         if self in RUNNING:
             RUNNING.remove(self)
         self.proc = None
+
+    def kill(self) -> None:
+        """As a crash or a PC losing power: SIGKILL to the server and its engine at once, no shutdown; its
+        connections drop mid-answer. stop() afterwards closes the log."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
 
     def log_tail(self, chars: int = 6000) -> str:
         try:

@@ -123,7 +123,7 @@ end
 
 -- apply(body, key_priority) -> result or nil, error_code
 -- result = {body = bytes to forward, changed = bool, priority = effective priority (string),
---           stream = bool}
+--           stream = bool, doc = the decoded body (read only: gateway.affinity reads its messages)}
 function M.apply(body, key_priority)
     local first = find(body, "[^ \t\r\n]")
     if not first then
@@ -145,7 +145,7 @@ function M.apply(body, key_priority)
         local member = next(doc) == nil and ('"priority":' .. wanted) or ('"priority":' .. wanted .. ",")
         return {
             body = concat({sub(body, 1, first), member, sub(body, first + 1)}),
-            changed = true, priority = wanted, stream = stream,
+            changed = true, priority = wanted, stream = stream, doc = doc,
         }
     end
 
@@ -171,7 +171,7 @@ function M.apply(body, key_priority)
 
     -- Keep the body untouched when its (single) value already complies.
     if #ranges == 1 and effective == raw then
-        return {body = body, changed = false, priority = raw, stream = stream}
+        return {body = body, changed = false, priority = raw, stream = stream, doc = doc}
     end
 
     local parts, from = {}, 1
@@ -182,7 +182,7 @@ function M.apply(body, key_priority)
         from = r[2] + 1
     end
     parts[#parts + 1] = sub(body, from)
-    return {body = concat(parts), changed = true, priority = effective, stream = stream}
+    return {body = concat(parts), changed = true, priority = effective, stream = stream, doc = doc}
 end
 
 return M

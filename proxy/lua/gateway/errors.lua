@@ -47,6 +47,10 @@ M.CATALOGUE = {
     upstream_unavailable = {502, "server_error",
         "The model server is not reachable (it may still be loading the model, or it stopped). "
         .. "Retry in a minute; if it persists, the operator should check the model server's logs."},
+    upstream_stream_broken = {502, "server_error",
+        "The model server stopped in the middle of this answer (it went down or stopped responding), "
+        .. "so the text so far is incomplete. Send the request again: the gateway passes it to a model "
+        .. "server that is up."},
     upstream_timeout = {504, "server_error",
         "The model server did not answer in time. Retry; if it persists, the operator should check "
         .. "the model server's logs and load."},

@@ -1,8 +1,10 @@
 -- gateway.handler: the phase handlers that conf/http.conf and conf/server.conf call.
 --
 --   init()         init_by_lua (master, at start and at every reload): environment and keys file
---   access()       access_by_lua on /v1/: key -> source and priority, limits, body check and splice
---   body_filter()  body_filter_by_lua: gives back the in-flight slot as the last byte leaves
+--   access()       access_by_lua on /v1/: key -> source and priority, limits, body check and splice,
+--                  the conversation's affinity key (which model server, when there are several)
+--   body_filter()  body_filter_by_lua: gives back the in-flight slot as the last byte leaves; ends a
+--                  stream the model server cut off with an error event
 --   log()          log_by_lua (every request): gives it back if the body filter could not, and counts
 --                  the request in gateway.metrics
 --   upstream_error(status)  error_page for 502/503/504 that nginx itself produces
@@ -15,13 +17,14 @@
 -- upstream failed and the request ended in the 502 page.
 
 local errors = require "gateway.errors"
+local affinity = require "gateway.affinity"
 local body = require "gateway.body"
 local keys = require "gateway.keys"
 local limits = require "gateway.limits"
 local metrics = require "gateway.metrics"
 
 local ngx = ngx
-local match, tonumber = string.match, tonumber
+local match, tonumber, find = string.match, tonumber, string.find
 
 local M = {}
 
@@ -164,6 +167,7 @@ function M.access()
     end
 
     if not has_body then
+        var.gw_affinity = affinity.key(ngx.req.get_headers(), nil)
         return
     end
 
@@ -179,6 +183,7 @@ function M.access()
         return errors.send(code, {param = code == "invalid_priority" and "priority" or nil})
     end
     var.gw_priority = result.priority
+    var.gw_affinity = affinity.key(ngx.req.get_headers(), result.doc)
     if result.stream then
         var.gw_stream = "true"
     end
@@ -196,8 +201,30 @@ end
 -- client has every byte it was promised (CI saw that race once in 150 back-to-back requests). So such an
 -- answer gives the slot back as its final byte passes here, on its way to the socket. A chunked answer
 -- (streams) is safe with the flag: its terminating chunk is written by the chunked filter after this one.
+-- A stream the model server cut off (it died, or proxy_read_timeout passed): nginx has already sent the
+-- 200 head and part of the events, so no error page can follow. It finalizes the request without the
+-- last buffer: the body filter sees one empty, non-last buffer after the upstream's response time is
+-- set ($upstream_response_time reads "-" while the upstream is still being read; its last entry is the
+-- try that answered). Then an OpenAI error event goes out before nginx closes the connection, so a
+-- client (the openai SDK, Open WebUI) reports an error instead of a silently short answer.
+local function cut_off_stream(var)
+    if var.gw_stream ~= "true" or ngx.arg[2] or ngx.arg[1] ~= "" or ngx.ctx.gw_broken then
+        return false
+    end
+    if not find(ngx.header["Content-Type"] or "", "text/event-stream", 1, true) then
+        return false
+    end
+    local last_try = match(var.upstream_response_time or "-", "([^%s,:]+)%s*$")
+    return last_try ~= nil and last_try ~= "-"
+end
+
 function M.body_filter()
     local var = ngx.var
+    if cut_off_stream(var) then
+        ngx.ctx.gw_broken = true
+        var.gw_error = "upstream_stream_broken"
+        ngx.arg[1] = "data: " .. errors.body("upstream_stream_broken") .. "\n"
+    end
     if var.gw_slot ~= "1" then
         return
     end
@@ -225,7 +252,7 @@ function M.log()
         var.gw_slot = ""
         limits.release_slot(var.gw_key_id)
     end
-    metrics.record()
+    metrics.record(ngx.ctx.gw_broken)
 end
 
 function M.upstream_error(status)

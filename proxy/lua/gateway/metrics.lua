@@ -1,6 +1,7 @@
 -- gateway.metrics: per-source request counters and latency histograms, in Prometheus' text format.
 --
---   record()   log_by_lua of the public server (via gateway.handler.log): one request into the counters
+--   record(broken)  log_by_lua of the public server (via gateway.handler.log): one request into the
+--                   counters; broken: the model server cut its stream off (gateway.handler.body_filter)
 --   expose()   content_by_lua of `location = /metrics` on the metrics listener (conf/metrics.conf)
 --
 -- What is counted, per request (except /healthz, which compose polls):
@@ -10,6 +11,11 @@
 --   gateway_upstream_first_byte_seconds{source}      histogram of $upstream_header_time (vLLM's answer
 --                                                    head, i.e. time to first token for a stream); only
 --                                                    requests that reached vLLM
+-- and per model server (several UPSTREAMS, docs/scale-out.md), one count per try nginx made:
+--   gateway_upstream_requests_total{upstream, code}  tries by server address (ip:port as nginx resolved
+--                                                    it) and that try's status (502: no connection)
+--   gateway_upstream_response_seconds{upstream}      histogram of each try's $upstream_response_time
+--   gateway_upstream_stream_errors_total{upstream}   streams the server cut off mid-answer
 -- `source` is the key's source name from the keys file, never the key or its fingerprint. Requests
 -- without a known key get "anonymous" (no key sent, or a path outside /v1/) or "rejected" (a key that
 -- is not in the file). Labels therefore stay a small, fixed set: the sources, two names, the statuses.
@@ -21,9 +27,12 @@
 --   n|<source>|<code>               request count
 --   h|<metric>|<source>|<i>         observations in bucket i (i = #BUCKETS + 1 is above the last bound)
 --   s|<metric>|<source>             sum of the observations
+--   u|<upstream>|<code>             tries per model server (histogram "r" is keyed by upstream too)
+--   b|<upstream>                    streams cut off by that server
 
 local ngx = ngx
-local format, match, gsub, concat, sort = string.format, string.match, string.gsub, table.concat, table.sort
+local format, match, gmatch, gsub, concat, sort =
+    string.format, string.match, string.gmatch, string.gsub, table.concat, table.sort
 local tonumber, pairs, ipairs = tonumber, pairs, ipairs
 
 local M = {}
@@ -38,9 +47,16 @@ local HISTOGRAMS = {
     {short = "f", name = "gateway_upstream_first_byte_seconds",
      help = "Time until the model server's response head arrived (time to first token for streams), "
          .. "by caller source; requests that reached the model server only."},
+    {short = "r", name = "gateway_upstream_response_seconds", label = "upstream",
+     help = "Time each try spent on a model server (connect to last byte), by server address."},
 }
 local COUNTER = {name = "gateway_requests_total",
                  help = "Requests through the gateway, by caller source and HTTP status code."}
+local UPSTREAM_COUNTER = {name = "gateway_upstream_requests_total",
+                          help = "Tries on each model server, by server address and that try's HTTP "
+                              .. "status (502: no connection)."}
+local BROKEN_COUNTER = {name = "gateway_upstream_stream_errors_total",
+                        help = "Streams a model server cut off in the middle of the answer, by server address."}
 
 local function dict()
     return ngx.shared.gateway_metrics
@@ -60,7 +76,38 @@ local function observe(d, short, source, value)
     d:incr("s|" .. short .. "|" .. source, value, 0)
 end
 
-function M.record()
+-- nginx lists one entry per try, ", " between tries and " : " between internal redirects:
+-- "10.0.0.2:8000, 10.0.0.3:8000". Returns the entries in order.
+local function tries(text)
+    local out = {}
+    if not text or text == "" then
+        return out
+    end
+    for item in gmatch((gsub(text, " : ", ", ")), "[^,]+") do
+        out[#out + 1] = match(item, "^%s*(.-)%s*$")
+    end
+    return out
+end
+
+local function record_upstreams(d, var, broken)
+    local addrs = tries(var.upstream_addr)
+    local statuses = tries(var.upstream_status)
+    local times = tries(var.upstream_response_time)
+    for i, addr in ipairs(addrs) do
+        local code = match(statuses[i] or "", "^%d+$") or "502"
+        d:incr("u|" .. addr .. "|" .. code, 1, 0)
+        local seconds = tonumber(times[i])
+        if seconds then
+            observe(d, "r", addr, seconds)
+        end
+    end
+    local last = addrs[#addrs]
+    if broken and last then
+        d:incr("b|" .. last, 1, 0)
+    end
+end
+
+function M.record(broken)
     local var = ngx.var
     if var.uri == "/healthz" then
         return
@@ -88,6 +135,7 @@ function M.record()
     if first_byte then
         observe(d, "f", source, first_byte)
     end
+    record_upstreams(d, var, broken)
 end
 
 -- Label values: backslash, double quote and newline escaped as the exposition format wants. Source
@@ -113,17 +161,22 @@ end
 function M.render()
     local d = dict()
     local counts = {}                      -- counts[source][code] = n
-    local hist = {d = {}, f = {}}          -- hist[short][source] = {buckets = {i = n}, sum = x}
+    local by_upstream = {}                 -- by_upstream[addr][code] = n
+    local broken = {}                      -- broken[addr] = n
+    local hist = {d = {}, f = {}, r = {}}  -- hist[short][source or addr] = {buckets = {i = n}, sum = x}
     for _, key in ipairs(d:get_keys(0)) do
         local value = d:get(key)
         if value then
             local kind, rest = match(key, "^(%a)|(.*)$")
-            if kind == "n" then
-                local source, code = match(rest, "^(.+)|(%d+)$")
-                if source then
-                    counts[source] = counts[source] or {}
-                    counts[source][code] = value
+            if kind == "n" or kind == "u" then
+                local name, code = match(rest, "^(.+)|(%d+)$")
+                local into = kind == "n" and counts or by_upstream
+                if name then
+                    into[name] = into[name] or {}
+                    into[name][code] = value
                 end
+            elseif kind == "b" then
+                broken[rest] = value
             elseif kind == "h" or kind == "s" then
                 local short, source, i
                 if kind == "h" then
@@ -150,13 +203,27 @@ function M.render()
         out[#out + 1] = text
     end
 
-    line("# HELP " .. COUNTER.name .. " " .. COUNTER.help)
-    line("# TYPE " .. COUNTER.name .. " counter")
-    for _, source in ipairs(sorted_keys(counts)) do
-        local by_code = counts[source]
-        for _, code in ipairs(sorted_keys(by_code)) do
-            line(format('%s{source="%s",code="%s"} %d', COUNTER.name, label(source), code, by_code[code]))
+    local function counter(family, label_name, values)
+        line("# HELP " .. family.name .. " " .. family.help)
+        line("# TYPE " .. family.name .. " counter")
+        for _, name in ipairs(sorted_keys(values)) do
+            local by_code = values[name]
+            for _, code in ipairs(sorted_keys(by_code)) do
+                line(format('%s{%s="%s",code="%s"} %d', family.name, label_name, label(name), code, by_code[code]))
+            end
         end
+    end
+    counter(COUNTER, "source", counts)
+    counter(UPSTREAM_COUNTER, "upstream", by_upstream)
+    line("# HELP " .. BROKEN_COUNTER.name .. " " .. BROKEN_COUNTER.help)
+    line("# TYPE " .. BROKEN_COUNTER.name .. " counter")
+    -- Every server that had a try gets a series, 0 until a stream breaks: a rate() over it then starts
+    -- from a known zero instead of appearing only at the first failure.
+    for addr in pairs(by_upstream) do
+        broken[addr] = broken[addr] or 0
+    end
+    for _, addr in ipairs(sorted_keys(broken)) do
+        line(format('%s{upstream="%s"} %d', BROKEN_COUNTER.name, label(addr), broken[addr]))
     end
 
     for _, family in ipairs(HISTOGRAMS) do
@@ -164,18 +231,19 @@ function M.render()
         line("# HELP " .. name .. " " .. family.help)
         line("# TYPE " .. name .. " histogram")
         local by_source = hist[family.short]
+        local key = family.label or "source"
         for _, source in ipairs(sorted_keys(by_source)) do
             local h = by_source[source]
             local src = label(source)
             local cumulative = 0
             for i = 1, #BUCKETS do
                 cumulative = cumulative + (h.buckets[i] or 0)
-                line(format('%s_bucket{source="%s",le="%s"} %d', name, src, le_text(BUCKETS[i]), cumulative))
+                line(format('%s_bucket{%s="%s",le="%s"} %d', name, key, src, le_text(BUCKETS[i]), cumulative))
             end
             cumulative = cumulative + (h.buckets[#BUCKETS + 1] or 0)
-            line(format('%s_bucket{source="%s",le="+Inf"} %d', name, src, cumulative))
-            line(format('%s_sum{source="%s"} %.6f', name, src, h.sum))
-            line(format('%s_count{source="%s"} %d', name, src, cumulative))
+            line(format('%s_bucket{%s="%s",le="+Inf"} %d', name, key, src, cumulative))
+            line(format('%s_sum{%s="%s"} %.6f', name, key, src, h.sum))
+            line(format('%s_count{%s="%s"} %d', name, key, src, cumulative))
         end
     end
     return concat(out, "\n") .. "\n"
