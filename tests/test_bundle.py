@@ -26,9 +26,13 @@ def compose_binary() -> Path:
     return Path(compose.__file__).parent / "docker-compose"
 
 
-def compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PROXY_", "WEBUI_", "HF_"))}
-    return subprocess.run([str(compose_binary()), "-f", str(REPO / "compose.yaml"), *args],
+def compose(*args: str, env: dict[str, str] | None = None,
+            files: tuple[str, ...] = ("compose.yaml",)) -> subprocess.CompletedProcess:
+    """`docker compose -f <files...> <args>`; files: compose.yaml, or it and an override (compose.server.yaml)."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("PROXY_", "WEBUI_", "HF_", "UPSTREAM", "SERVER_"))}
+    flags = [arg for name in files for arg in ("-f", str(REPO / name))]
+    return subprocess.run([str(compose_binary()), *flags, *args],
                           capture_output=True, text=True, cwd=REPO, env={**clean, **(env or {})}, timeout=60)
 
 
@@ -73,7 +77,7 @@ def test_webui_refuses_to_start_without_its_key_or_secret():
     assert webui["image"].endswith(":v0.12.4")
 
 
-SECRETS = ("HF_TOKEN", "WEBUI_API_KEY", "WEBUI_SECRET_KEY", "GRAFANA_ADMIN_PASSWORD")
+SECRETS = ("HF_TOKEN", "WEBUI_API_KEY", "WEBUI_SECRET_KEY", "GRAFANA_ADMIN_PASSWORD", "UPSTREAM_API_KEY")
 
 
 def test_each_service_gets_only_its_own_settings():
@@ -87,6 +91,8 @@ def test_each_service_gets_only_its_own_settings():
         return {n for n, svc in services.items() if value in (svc.get("environment") or {}).values()}
     assert holders(secrets["HF_TOKEN"]) == {"model-fetch"}
     assert holders(secrets["WEBUI_API_KEY"]) == {"webui"} and holders(secrets["WEBUI_SECRET_KEY"]) == {"webui"}
+    # the model servers' key: the gateway sends it, the local vLLM asks for it (VLLM_API_KEY); nobody else
+    assert holders(secrets["UPSTREAM_API_KEY"]) == {"proxy", "vllm"}
     # every bonsai-serve knob reaches the vllm service, and every bonsai-fetch setting the fetcher
     from bonsai_fetch.cli import ENV as FETCH_ENV
     from bonsai_vllm.serve import KNOBS

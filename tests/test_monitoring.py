@@ -263,3 +263,45 @@ def test_docs_list_every_gateway_and_dashboard_metric():
     for name in {re.sub(r"_(total|bucket)$", "", n) for expr in dashboard_expressions()
                  for n in re.findall(r"\bvllm:[a-z0-9_:]+", expr)}:
         assert f"`{name}" in doc, name
+
+
+def row_panels(title_word: str) -> list[dict]:
+    """The panels under the row whose title holds `title_word`, down to the next row."""
+    panels = sorted(json.loads(DASHBOARD.read_text())["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
+    start = next(i for i, p in enumerate(panels) if p["type"] == "row" and title_word in p["title"])
+    under = []
+    for p in panels[start + 1:]:
+        if p["type"] == "row":
+            break
+        under.append(p)
+    return under
+
+
+def test_dashboard_has_a_model_servers_row_per_upstream():
+    """Several PCs behind one gateway (docs/scale-out.md): requests, errors, response time and cut streams per
+    model server, from the gateway's per-upstream series."""
+    panels = row_panels("Model servers")
+    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in panels}
+    assert len(panels) == 4, list(exprs)
+    flat = [e for es in exprs.values() for e in es]
+    for e in flat:
+        assert re.search(r"\bgateway_upstream_(requests_total|response_seconds_bucket|stream_errors_total)\b", e), e
+        assert re.search(r"by \(upstream\b", e), e  # one line per model server
+    rate = [e for e in flat if "gateway_upstream_requests_total" in e]
+    assert len(rate) == 2 and any("gateway_upstream_requests_total[" in e for e in rate)  # all tries, unfiltered
+    (errors,) = [e for e in rate if "code" in e]
+    assert 'gateway_upstream_requests_total{code=~"5.."}' in errors and "by (upstream, code)" in errors
+    quantiles = sorted(re.findall(r"histogram_quantile\((0\.\d+), sum by \(upstream, le\) \(rate\("
+                                  r"gateway_upstream_response_seconds_bucket\[", e)[0] for e in flat
+                       if "gateway_upstream_response_seconds_bucket" in e)
+    assert quantiles == ["0.5", "0.95"]
+    assert any("gateway_upstream_stream_errors_total" in e for e in flat)
+
+
+def test_docs_list_the_dashboards_gateway_metrics():
+    # every gateway_* family a panel queries is in docs/monitoring.md (the live names: tests/proxy)
+    doc = (REPO / "docs" / "monitoring.md").read_text()
+    used = {re.sub(r"_bucket$", "", n) for expr in dashboard_expressions() for n in re.findall(r"\bgateway_[a-z_]+", expr)}
+    assert "gateway_upstream_requests_total" in used
+    for name in used:
+        assert f"`{name}`" in doc, name

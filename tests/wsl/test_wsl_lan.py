@@ -225,3 +225,97 @@ def test_print_task_for_boot(host):
     assert "/SC ONLOGON" in line and "/RL HIGHEST" in line
     assert re.search(r'/TR "wsl\.exe -d Ubuntu -- /\S+/wsl/lan --port 8080"', line), line
     assert host.calls() == []
+
+
+# ---- --server: a PC that runs the model server alone (make server, make lan-server; docs/scale-out.md)
+
+def server_commands(port: str = "8000") -> dict[str, list[str]]:
+    rule = f"name=bonsai-server-{port}"
+    return {
+        "show_rule": ["advfirewall", "firewall", "show", "rule", rule],
+        "add_pp": ["interface", "portproxy", "add", "v4tov4", f"listenport={port}", "listenaddress=0.0.0.0",
+                   f"connectport={port}", f"connectaddress={IP_NOW}"],
+        "add_rule": ["advfirewall", "firewall", "add", "rule", rule, "dir=in", "action=allow", "protocol=TCP",
+                     f"localport={port}", "remoteip=localsubnet"],
+        "del_pp": ["interface", "portproxy", "delete", "v4tov4", f"listenport={port}", "listenaddress=0.0.0.0"],
+        "del_rule": ["advfirewall", "firewall", "delete", "rule", rule],
+    }
+
+
+def test_server_forwards_the_model_servers_port_under_its_own_rule(host):
+    make_wsl(host)
+    cmd = server_commands()
+    r = host.run("lan", "--server", env={"PROXY_PORT": "9000"})   # the gateway's port is not this one's
+    assert r.rc == 0, r.out + r.err
+    assert host.calls("netsh.exe") == [
+        SHOW_PP, cmd["show_rule"],
+        cmd["add_pp"], cmd["add_rule"],
+        SHOW_PP, cmd["show_rule"],
+    ]
+    state = host.netsh_state()
+    assert state["portproxy"] == [["0.0.0.0", "8000", IP_NOW, "8000"]]
+    assert [rule["name"] for rule in state["rules"]] == ["bonsai-server-8000"]
+    assert "to the model server" in r.out and "UPSTREAMS" in r.out     # what to do with it on the main PC
+    host.clear_calls()
+    r = host.run("lan", "--server")                                   # again: nothing to change
+    assert r.rc == 0 and "nothing to do" in r.out
+    assert changing(host.calls("netsh.exe")) == []
+
+
+def test_server_port_from_server_port_env_and_from_flag(host):
+    make_wsl(host)
+    r = host.run("lan", "--server", env={"SERVER_PORT": "8001", "PROXY_PORT": "9000"})
+    assert r.rc == 0, r.out + r.err
+    assert changing(host.calls("netsh.exe")) == [server_commands("8001")["add_pp"],
+                                                 server_commands("8001")["add_rule"]]
+    host.clear_calls()
+    r = host.run("lan", "--port", "8002", "--server", env={"SERVER_PORT": "8001"})   # the flag wins, either order
+    assert r.rc == 0, r.out + r.err
+    assert changing(host.calls("netsh.exe")) == [server_commands("8002")["add_pp"],
+                                                 server_commands("8002")["add_rule"]]
+    r = host.run("lan", "--server", "--port", "")
+    assert r.rc == 1 and "bad port" in r.err                          # an empty --port is not the default
+
+
+def test_server_and_gateway_rules_live_side_by_side_and_are_removed_apart(host):
+    make_wsl(host)
+    assert host.run("lan").rc == 0                                    # the gateway, 8080
+    assert host.run("lan", "--server").rc == 0                        # and the model server, 8000
+    state = host.netsh_state()
+    assert sorted(state["portproxy"]) == [["0.0.0.0", "8000", IP_NOW, "8000"], ["0.0.0.0", "8080", IP_NOW, "8080"]]
+    assert sorted(rule["name"] for rule in state["rules"]) == ["bonsai-proxy-8080", "bonsai-server-8000"]
+    host.clear_calls()
+    r = host.run("lan", "--server", "--remove")
+    assert r.rc == 0, r.out + r.err
+    cmd = server_commands()
+    assert changing(host.calls("netsh.exe")) == [cmd["del_pp"], cmd["del_rule"]]
+    state = host.netsh_state()
+    assert state["portproxy"] == [["0.0.0.0", "8080", IP_NOW, "8080"]] and state["rules"] == [OUR_RULE]
+
+
+def test_server_commands_printed_for_elevation_and_the_logon_task_keep_server(host):
+    # Re-run elevated, or at logon, without --server the script would forward 8080 under bonsai-proxy-8080.
+    make_wsl(host, elevated=False)
+    r = host.run("lan", "--server")
+    assert r.rc == 1
+    printed = [line for line in r.err.splitlines() if "wsl/lan " in line and not line.startswith("wsl/lan:")]
+    assert len(printed) == 3, r.err
+    assert all("wsl/lan --server --port 8000" in line for line in printed), printed
+    r = host.run("lan", "--server", "--print-task", env={"SERVER_PORT": "8001"})
+    assert r.rc == 0
+    line = next(x for x in r.out.splitlines() if x.startswith("schtasks.exe /Create"))
+    assert re.search(r'/TR "wsl\.exe -d Ubuntu -- /\S+/wsl/lan --server --port 8001"', line), line
+
+
+def test_server_dry_run_and_mirrored_mode_name_the_server_rule(host):
+    make_wsl(host)
+    r = host.run("lan", "--server", "--dry-run")
+    assert r.rc == 0, r.err
+    printed = [line for line in r.out.splitlines() if line.startswith("netsh.exe ")]
+    cmd = server_commands()
+    assert printed == ["netsh.exe " + " ".join(cmd["add_pp"]), "netsh.exe " + " ".join(cmd["add_rule"])]
+    assert host.netsh_state()["portproxy"] == []
+    make_wsl(host, mode="mirrored")
+    r = host.run("lan", "--server")
+    assert r.rc == 0
+    assert "-Name bonsai-server-8000" in r.out and "-LocalPorts 8000" in r.out
