@@ -41,7 +41,7 @@ PYTEST_ARGS ?=
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
 .PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui \
-	server upstream-key lan-server lan-server-remove
+	server upstream-key lan-server lan-server-remove bench-scale-out
 
 COMPOSE ?= docker compose
 
@@ -245,6 +245,9 @@ gpu-check: ## every kernel the served path launches, at the 27B's TP=2 shapes, a
 
 compile-check: venv ## compile every Triton kernel at the 27B's shapes for sm_90 and sm_120 (no GPU): shared memory, registers, spills
 	$(VPY) -m tools.compile_check --json .cache/compile-check.json
+
+bench-scale-out: venv system-deps ## one model server against two behind the gateway, same load: throughput ratio (CPU, ~5 min)
+	$(VPY) benchmarks/scale_out.py $(BENCH_ARGS)
 
 bench-priority: venv ## chat TTFT behind agents and decode gaps during a long prefill, scheduler on vs off (CPU)
 	$(VPY) benchmarks/priority.py

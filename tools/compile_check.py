@@ -9,7 +9,7 @@ registers × threads exceed the SM's 64 Ki registers is refused. Neither shows u
 
 So this drives the real dispatch code (`kernels.linear.ternary_linear` for the six layers at every batch
 size class, with and without int8 weights kept; the Hadamard, quantization, all-reduce pack/unpack kernels;
-the K3V2 store, decode, merge and the prefill sub-rows) with CPU tensors, under a stand-in Triton driver
+the K3V2 store, decode, merge and the prefill sub-rows; issue 19's dp4a GEMV) with CPU tensors, under a stand-in Triton driver
 that names the target and never launches: each `kernel[grid](...)` becomes a warm-up compile, through
 Triton's own specialization, to PTX and then a cubin by the ptxas Triton ships. For every compiled kernel
 it reports shared memory, registers and spilled bytes (ptxas -v), and whether the launch fits the target.
@@ -186,7 +186,21 @@ def drive_kv() -> None:
                   torch.arange(4, dtype=torch.int32), 4000, 256 ** -0.5, use_kernels=True)
 
 
-DRIVERS = {"ternary": drive_ternary, "allreduce": drive_allreduce, "kv": drive_kv}
+def drive_dp4a() -> None:
+    """Issue 19's M = 1 candidate (ternary.kernels.dp4a, not dispatched yet): its prep and its GEMV with
+    inline PTX dp4a, one and several K slices, at every layer's shape."""
+    from bonsai_vllm.ternary.kernels import dp4a
+
+    g = torch.Generator().manual_seed(0)
+    for name, (k, n) in LAYERS.items():
+        act = dp4a.prepare(torch.randn(k, generator=g).bfloat16())
+        packed = torch.randint(-2**31, 2**31 - 1, (n, k // 16), generator=g, dtype=torch.int32)
+        scales = torch.rand(n, k // 128, generator=g).half() + 0.01
+        for cfg in (dp4a.Dp4aConfig(bn=16, bw=32, warps=4, stages=2), dp4a.Dp4aConfig(bn=8, bw=16, warps=2, stages=3, split=4)):
+            dp4a.gemv(act, packed, scales, cfg, dp4a.Dp4aWorkspace("cpu"))
+
+
+DRIVERS = {"ternary": drive_ternary, "allreduce": drive_allreduce, "kv": drive_kv, "dp4a": drive_dp4a}
 
 
 def run(targets: list[int]) -> list[Compiled]:

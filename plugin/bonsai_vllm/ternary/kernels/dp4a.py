@@ -1,0 +1,261 @@
+"""The M = 1 decode GEMV on dp4a (issue 19's candidate), with its activation prep and deterministic split-K.
+
+Not dispatched: `kernels.linear.route` never picks it yet (a route that has not passed a real-size check in
+`make gpu-check` stays off). `benchmarks/dp4a_gemv.py` checks and times it at the 27B's shapes.
+
+The served `fma` GEMV spends ~3.3 instructions per weight; here PTX `dp4a` does four weights at once:
+
+- the codes of a word (code i at bits 2i, u = value + 1 in {0, 1, 2}) split into four int32 lanes by
+  `(word >> 2j) & 0x03030303`: byte b of lane j is the code of input 16w + 4b + j;
+- the activation row is prepared once per call in the same order (`prepare`): per group g of 128 inputs,
+  x ≈ s1[g]·x8 + s2[g]·r8, x8 the int8 of x and r8 the int8 of what x8 missed (the residual's second dp4a
+  keeps the error far under bf16's), each stored as planar int32 [4, K/16] (lane j, word w: four bytes), plus
+  per-group sums X1, X2 of x8, r8 and the scales, all on the device (no host sync: CUDA-graph safe). Scales
+  per group, not per row: no reduction across the row, so the prep runs on K/1024 programs at once (one
+  program over the whole row cost 3–6 µs on the H200, as much as the GEMV gains);
+- per word two chains of four dp4a give Σ u·x8 and Σ u·r8; per group of 128 the value sum is Σ u·x − Σ x:
+      y[n] = Σ_g scale[n, g] · (s1[g] (T1[n, g] − X1[g]) + s2[g] (T2[n, g] − X2[g]))      in float32;
+- split-K (several programs per row tile, for the small-N layers) ends deterministically: each program
+  writes its partial sum, and the last one to arrive for a tile (a per-tile counter) adds the partials in
+  slice order and writes y, then resets the counter for the next call. No float atomics: the same input
+  gives the same bits every call.
+
+References beside the kernels: `prepare_reference` (the same rounding, in torch) and `gemv_reference` (the
+integer maths above in torch). Under TRITON_INTERPRET=1 the kernel emulates dp4a with shifts (the
+interpreter has no inline PTX), so tests/core/test_dp4a.py runs the same kernel on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bonsai_vllm.triton_runtime import interpreting, require, tl, triton
+
+GROUP = 128  # scale group along K (the checkpoint's)
+INV127 = 1.0 / 127  # int8 scale = max |x| · INV127, in float32 on both sides
+
+
+@dataclass(frozen=True)
+class Dp4aActivations:
+    """One prepared activation row (K inputs)."""
+
+    xa: torch.Tensor  # int32 [4, K/16]: lane j, word w = bytes x8[16w + 4b + j], b = 0..3
+    xr: torch.Tensor  # int32 [4, K/16]: the same for r8
+    gx: torch.Tensor  # int32 [K/128]: Σ x8 per group
+    gr: torch.Tensor  # int32 [K/128]: Σ r8 per group
+    s: torch.Tensor  # float32 [2, K/128]: s1, s2 per group
+
+
+@dataclass(frozen=True)
+class Dp4aConfig:
+    bn: int  # rows per program
+    bw: int  # words per K step (a multiple of 8: whole scale groups)
+    warps: int
+    stages: int
+    split: int = 1  # slices of K; > 1: partial sums, added by the tile's last program in slice order
+
+    def __str__(self) -> str:
+        return f"bn={self.bn} bw={self.bw} warps={self.warps} stages={self.stages} split={self.split}"
+
+
+def _round(v: torch.Tensor) -> torch.Tensor:
+    # Half away from zero, as the kernel does it (floor(|v| + 0.5) with the sign): both must agree bit for bit.
+    return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
+def prepare_reference(x: torch.Tensor) -> Dp4aActivations:
+    """x [K] or [1, K] (float) -> Dp4aActivations, in torch."""
+    x = x.reshape(-1).float()
+    k = x.numel()
+    xg = x.view(-1, GROUP)  # [G, 128]
+    s1 = xg.abs().amax(1, keepdim=True).clamp_min(1e-30) * INV127
+    x8 = _round(xg * (1.0 / s1)).clamp(-127, 127)
+    r = xg - x8 * s1
+    s2 = r.abs().amax(1, keepdim=True).clamp_min(1e-30) * INV127
+    r8 = _round(r * (1.0 / s2)).clamp(-127, 127)
+    x8, r8 = x8.reshape(-1), r8.reshape(-1)
+
+    def planar(q: torch.Tensor) -> torch.Tensor:
+        b = q.to(torch.int8).view(k // 16, 4, 4).transpose(1, 2).contiguous()  # [w, j, b]
+        return b.view(torch.int32).view(k // 16, 4).t().contiguous()  # [4, w]
+
+    return Dp4aActivations(planar(x8), planar(r8), x8.view(-1, GROUP).sum(1).to(torch.int32),
+                           r8.view(-1, GROUP).sum(1).to(torch.int32), torch.stack([s1[:, 0], s2[:, 0]]).float())
+
+
+def gemv_reference(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The kernel's maths in torch: packed int32 [N, K/16], scales [N, K/128] -> y float32 [N]."""
+    n, kw = packed.shape
+    shifts = torch.arange(16, device=packed.device, dtype=torch.int32) * 2
+    u = ((packed.unsqueeze(-1) >> shifts) & 3).reshape(n, kw * 16).to(torch.int64)  # [N, K] codes, k = 16w + i
+
+    def unplanar(p: torch.Tensor) -> torch.Tensor:  # [4, K/16] int32 -> [K] int64
+        b = p.t().contiguous().view(torch.int8).view(kw, 4, 4).transpose(1, 2)  # [w, b, j]
+        return b.reshape(-1).to(torch.int64)
+
+    x8, r8 = unplanar(act.xa), unplanar(act.xr)
+    t1 = (u * x8).view(n, -1, GROUP).sum(-1)  # [N, G]
+    t2 = (u * r8).view(n, -1, GROUP).sum(-1)
+    s1, s2 = act.s[0], act.s[1]  # [G]
+    v = s1 * (t1 - act.gx.to(torch.int64)).float() + s2 * (t2 - act.gr.to(torch.int64)).float()
+    return (scales.float() * v).sum(-1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dp4a(a, b, c, USE_ASM: tl.constexpr):
+        # c + Σ_bytes sext(a_b) · sext(b_b): one PTX instruction on the GPU, shifts in the interpreter.
+        if USE_ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = c
+            for i in tl.static_range(4):
+                out += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+            return out
+
+    @triton.jit
+    def _round_int8(v):
+        return tl.minimum(tl.maximum(tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5)), -127.0), 127.0)
+
+    @triton.jit
+    def _prepare_kernel(x_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, K, GB: tl.constexpr, INV127: tl.constexpr):
+        # grid: cdiv(K / 128, GB). Program p prepares groups [p·GB, (p+1)·GB): x as [GB, 128], one scale pair each.
+        G = K // 128
+        rg = tl.program_id(0) * GB + tl.arange(0, GB)
+        gmask = rg < G
+        ri = tl.arange(0, 128)
+        x = tl.load(x_ptr + rg[:, None] * 128 + ri[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        # The same float32 operations as prepare_reference, so both agree bit for bit on any device: the
+        # scale as a product with the float32 of 1/127 (torch on CUDA divides by a scalar that way), one
+        # IEEE-rounded reciprocal per group (div_rn; Triton's default division is approximate), then
+        # products only, per input.
+        s1 = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) * INV127  # [GB]
+        x8 = _round_int8(x * tl.math.div_rn(tl.full([GB], 1.0, tl.float32), s1)[:, None])
+        r = x - x8 * s1[:, None]
+        s2 = tl.maximum(tl.max(tl.abs(r), axis=1), 1e-30) * INV127
+        r8 = _round_int8(r * tl.math.div_rn(tl.full([GB], 1.0, tl.float32), s2)[:, None])
+        q1 = x8.to(tl.int32)
+        q2 = r8.to(tl.int32)
+        tl.store(gx_ptr + rg, tl.sum(q1, axis=1), mask=gmask)
+        tl.store(gr_ptr + rg, tl.sum(q2, axis=1), mask=gmask)
+        tl.store(s_ptr + rg, s1, mask=gmask)
+        tl.store(s_ptr + G + rg, s2, mask=gmask)
+        # planar bytes: input 16w + 4b + j -> word w of lane j, byte b. [GB·8 words, 4 (b), 4 (j)], summed over b.
+        WB: tl.constexpr = GB * 8
+        shift = (tl.arange(0, 4) * 8)[None, :, None]
+        p1 = tl.sum(tl.reshape(q1 & 0xFF, (WB, 4, 4)) << shift, axis=1)  # [WB, 4 (j)]
+        p2 = tl.sum(tl.reshape(q2 & 0xFF, (WB, 4, 4)) << shift, axis=1)
+        rw = tl.program_id(0) * WB + tl.arange(0, WB)
+        offs = tl.arange(0, 4)[None, :] * (K // 16) + rw[:, None]
+        wmask = (rw < K // 16)[:, None]
+        tl.store(xa_ptr + offs, p1, mask=wmask)
+        tl.store(xr_ptr + offs, p2, mask=wmask)
+
+    @triton.jit
+    def _gemv_kernel(w_ptr, sc_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, CHUNK,
+                     SPLITS, BN: tl.constexpr, BW: tl.constexpr, USE_ASM: tl.constexpr):
+        # grid: (cdiv(N, BN), SPLITS). Program (t, s) walks words [s·CHUNK, (s+1)·CHUNK) of K for BN rows, BW
+        # words (BW / 8 groups) per step.
+        G8: tl.constexpr = BW // 8
+        tile = tl.program_id(0)
+        part = tl.program_id(1)
+        rn = tile * BN + tl.arange(0, BN)
+        nmask = rn < N
+        rw = tl.arange(0, BW)
+        rg = tl.arange(0, G8)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        zero = tl.zeros([BN, BW], dtype=tl.int32)
+        G = KW // 8
+        k0 = part * CHUNK
+        for w0 in range(k0, min(k0 + CHUNK, KW), BW):
+            p = tl.load(w_ptr + rn[:, None] * KW + w0 + rw[None, :], mask=nmask[:, None], other=0)  # [BN, BW]
+            t1 = zero
+            t2 = zero
+            for j in tl.static_range(4):
+                c = (p >> (2 * j)) & 0x03030303
+                xa = tl.load(xa_ptr + j * KW + w0 + rw)[None, :]
+                xr = tl.load(xr_ptr + j * KW + w0 + rw)[None, :]
+                t1 = _dp4a(c, xa, t1, USE_ASM)
+                t2 = _dp4a(c, xr, t2, USE_ASM)
+            g0 = w0 // 8
+            T1 = tl.sum(tl.reshape(t1, (BN, G8, 8)), axis=2)  # [BN, G8] Σ u·x8 per group
+            T2 = tl.sum(tl.reshape(t2, (BN, G8, 8)), axis=2)
+            X1 = tl.load(gx_ptr + g0 + rg)[None, :]
+            X2 = tl.load(gr_ptr + g0 + rg)[None, :]
+            s1 = tl.load(s_ptr + g0 + rg)[None, :]
+            s2 = tl.load(s_ptr + G + g0 + rg)[None, :]
+            sc = tl.load(sc_ptr + rn[:, None] * G + g0 + rg[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+            v = s1 * (T1 - X1).to(tl.float32) + s2 * (T2 - X2).to(tl.float32)
+            acc += tl.sum(sc * v, axis=1)
+        if SPLITS == 1:
+            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+        else:
+            tl.store(ws_ptr + part * N + rn, acc, mask=nmask)
+            tl.debug_barrier()  # every thread's partial is written before the program announces it
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:  # the last slice of this tile: add them all, in slice order
+                total = tl.zeros([BN], dtype=tl.float32)
+                for s in range(0, SPLITS):
+                    total += tl.load(ws_ptr + s * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=nmask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call (CUDA-graph replays too)
+
+
+def prepare(x: torch.Tensor, out: Dp4aActivations | None = None) -> Dp4aActivations:
+    """x [K] or [1, K] (bf16/fp32, on the kernel's device) -> Dp4aActivations, one launch."""
+    require()
+    x = x.reshape(-1)
+    k = x.numel()
+    if k % GROUP:
+        raise ValueError(f"dp4a.prepare: K = {k} is not a multiple of the scale group {GROUP}")
+    dev = x.device
+    if out is None:
+        out = Dp4aActivations(torch.empty(4, k // 16, dtype=torch.int32, device=dev),
+                              torch.empty(4, k // 16, dtype=torch.int32, device=dev),
+                              torch.empty(k // GROUP, dtype=torch.int32, device=dev),
+                              torch.empty(k // GROUP, dtype=torch.int32, device=dev),
+                              torch.empty(2, k // GROUP, dtype=torch.float32, device=dev))
+    gb = 8  # groups per program: 1024 inputs
+    _prepare_kernel[(triton.cdiv(k // GROUP, gb),)](x, out.xa, out.xr, out.gx, out.gr, out.s, k, GB=gb, INV127=INV127, num_warps=4,
+                                                    # x − x8·s1 rounded twice, as torch does: no FMA
+                                                    enable_fp_fusion=False)
+    return out
+
+
+class Dp4aWorkspace:
+    """Partial sums and per-tile counters of split-K, kept between calls (counters are reset by the kernel)."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.partials = torch.empty(0, dtype=torch.float32, device=self.device)
+        self.counters = torch.zeros(0, dtype=torch.int32, device=self.device)
+
+    def get(self, n_partials: int, n_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.partials.numel() < n_partials:
+            self.partials = torch.empty(n_partials, dtype=torch.float32, device=self.device)
+        if self.counters.numel() < n_tiles:
+            self.counters = torch.zeros(n_tiles, dtype=torch.int32, device=self.device)
+        return self.partials, self.counters
+
+
+def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: Dp4aConfig,
+         workspace: Dp4aWorkspace, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [N] (float32) = the ternary layer (packed int32 [N, K/16], scales [N, K/128]) applied to `act`."""
+    require()
+    n, kw = packed.shape
+    if kw % config.bw:
+        raise ValueError(f"dp4a.gemv: K/16 = {kw} is not a multiple of BW = {config.bw}")
+    steps = triton.cdiv(kw, config.bw)
+    chunk = triton.cdiv(steps, config.split) * config.bw
+    splits = triton.cdiv(kw, chunk)
+    tiles = triton.cdiv(n, config.bn)
+    y = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
+    partials, counters = workspace.get(splits * n if splits > 1 else 1, tiles)
+    _gemv_kernel[(tiles, splits)](packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters,
+                                  n, kw, chunk, splits, BN=config.bn, BW=config.bw, USE_ASM=not interpreting(),
+                                  num_warps=config.warps, num_stages=config.stages)
+    return y

@@ -1,0 +1,91 @@
+"""ternary.kernels.dp4a (issue 19's M = 1 candidate) against its torch references, on CPU through Triton's
+interpreter (dp4a emulated there), and compiled with real PTX dp4a when a GPU is present.
+
+- prepare (one launch) gives the same planar bytes, group sums and scales as prepare_reference, bit for bit;
+- the GEMV equals the integer maths of gemv_reference and is close to the float32 layer (dequantize);
+- split-K ends deterministically: the same bits on every call (the tile counters reset themselves), for
+  uneven slice counts too, and close to the unsplit result.
+The real shapes, timings and compiled dp4a: benchmarks/dp4a_gemv.py on the GPU (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import interpreter_scope
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:  # before the kernel module is imported: @triton.jit then decorates interpreted functions
+    interpreter_scope.enable()
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton", reason="Triton is not installed")
+
+from bonsai_vllm.ternary.format import pack_ternary  # noqa: E402
+from bonsai_vllm.ternary.kernels import dp4a  # noqa: E402
+from bonsai_vllm.ternary.reference import dequantize  # noqa: E402
+
+_interpreter = interpreter_scope.module_fixture(["bonsai_vllm.ternary.kernels.dp4a"])
+
+DEV = "cuda" if GPU else "cpu"
+
+
+def layer(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-1, 2, (n, k), generator=g, dtype=torch.int8)
+    scales = (0.01 + 0.04 * torch.rand(n, k // 128, generator=g)).to(torch.float16)
+    return pack_ternary(codes).to(DEV), scales.to(DEV)
+
+
+def activation(k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(k, generator=g)
+    x[7] = 9.0  # an outlier: most of x8 is small, so the residual's share matters
+    return x.to(torch.bfloat16).to(DEV)
+
+
+@pytest.mark.parametrize("k", [384, 1024])  # not a power of two, and one that is
+def test_prepare_matches_its_reference_bit_for_bit(k):
+    x = activation(k, seed=k)
+    want = dp4a.prepare_reference(x)
+    got = dp4a.prepare(x)
+    for name in ("xa", "xr", "gx", "gr"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
+    assert torch.allclose(got.s.cpu(), want.s.cpu(), rtol=1e-6, atol=0)
+
+
+def test_gemv_equals_the_integer_maths_and_is_close_to_the_float_layer():
+    n, k = 48, 1024
+    packed, scales = layer(n, k, seed=3)
+    x = activation(k, seed=4)
+    act = dp4a.prepare(x)
+    ws = dp4a.Dp4aWorkspace(DEV)
+    y = dp4a.gemv(act, packed, scales, dp4a.Dp4aConfig(bn=16, bw=16, warps=2, stages=1), ws,
+                  out=torch.full((n,), float("nan"), device=DEV))
+    assert torch.isfinite(y).all()
+    exact = dp4a.gemv_reference(act, packed, scales)
+    assert torch.allclose(y, exact, rtol=1e-5, atol=1e-6)
+    want = x.float() @ dequantize(packed, scales, 128).float().t()
+    assert (y - want).norm() / want.norm() < 1e-4  # int8 + int8 residual: far under bf16's 4e-3
+
+
+@pytest.mark.parametrize("split", [2, 3, 8])  # 3: slices of unequal length; 8: one step each
+def test_split_k_is_deterministic_and_agrees_with_one_slice(split):
+    n, k = 40, 1024  # 40 rows: the last row tile is partial
+    packed, scales = layer(n, k, seed=5)
+    act = dp4a.prepare(activation(k, seed=6))
+    ws = dp4a.Dp4aWorkspace(DEV)
+    one = dp4a.gemv(act, packed, scales, dp4a.Dp4aConfig(bn=16, bw=8, warps=1, stages=1), ws)
+    cfg = dp4a.Dp4aConfig(bn=16, bw=8, warps=1, stages=1, split=split)
+    first = dp4a.gemv(act, packed, scales, cfg, ws, out=torch.full((n,), float("nan"), device=DEV))
+    assert torch.isfinite(first).all(), "a row tile was never written: its last slice did not add up"
+    assert torch.count_nonzero(ws.counters) == 0, "the tile counters were not reset"
+    for _ in range(3):
+        again = dp4a.gemv(act, packed, scales, cfg, ws, out=torch.full((n,), float("nan"), device=DEV))
+        assert torch.equal(again, first)
+    assert torch.allclose(first, one, rtol=1e-5, atol=1e-6)
+
+
+def test_prepare_refuses_a_k_outside_the_scale_groups():
+    with pytest.raises(ValueError, match="multiple of the scale group 128"):
+        dp4a.prepare(torch.zeros(200, device=DEV))
