@@ -8,9 +8,11 @@
     gemv_variants.py  the multi-row GEMV `rows` that decode.py times and the served dispatch never launches
                 (the package's kernel files hold only what it does)
     codes_gemm.py  issue 19's candidate: int8 GEMM decoding the codes itself (no W8); measured slower
-    dp4a_gemv.py   issue 19's candidate: the M = 1 GEMV on dp4a with int8 activations + residual; 1.7-1.9× faster
+    dp4a_gemv.py   issue 19's candidate, ternary.kernels.dp4a (M = 1 on dp4a, int8 activations + residual, prep
+                on the device, deterministic split-K): checks and times it; 1.15-1.55× the served GEMV prep included
     priority.py make bench-priority: chat TTFT behind agents, scheduler on vs off (vLLM-CPU)
     gateway.py  make bench-proxy: the gateway's overhead, direct vs through nginx
+    scale_out.py  make bench-scale-out: one model server against two behind the gateway, same load (vLLM-CPU)
 
 Run from the repository root (`python -m benchmarks.kernels`, with the plugin importable). Not in any image.
 """
