@@ -13,9 +13,10 @@ the K3V2 store, decode, merge and the prefill sub-rows; issue 19's dp4a GEMV) wi
 that names the target and never launches: each `kernel[grid](...)` becomes a warm-up compile, through
 Triton's own specialization, to PTX and then a cubin by the ptxas Triton ships. For every compiled kernel
 it reports shared memory, registers and spilled bytes (ptxas -v), and whether the launch fits the target.
-Output values are garbage (nothing runs); only the compiled code is looked at. The package holds only
-kernels the dispatch launches (the measured-only variants are in benchmarks/), so every one is compiled:
-`tests/core/test_compile_check.py` runs this in CI and fails when a kernel is added without being driven here.
+Output values are garbage (nothing runs); only the compiled code is looked at. The package holds
+the kernels the dispatch launches, and ternary.kernels.dp4a, checked on the GPU and on its way to being
+launched (measured-only variants are in benchmarks/); every one is compiled: `tests/core/test_compile_check.py`
+runs this in CI and fails when a kernel is added without being driven here.
 """
 
 from __future__ import annotations
