@@ -160,12 +160,17 @@ class Checker:
                 tws[w8] = [linear.prepare(pack_ternary(codes[:, r * width:(r + 1) * width].contiguous()),
                                           scales[:, r * width // 128:(r + 1) * width // 128].contiguous(),
                                           signs[r * width:(r + 1) * width], expand_int8=w8) for r in range(ranks)]
+            # issue 19's dp4a GEMV (BONSAI_DP4A_GEMV, off by default): one-token rows, W8 not kept
+            tws["dp4a"] = [linear.prepare(t.packed, t.scales, t.signs, dp4a=True) for t in tws[False]]
             del codes
             rows = self.sz.lm_head_rows if name == "lm_head" else self.sz.decode_rows + self.sz.prefill_rows
             for w8 in (False, True):
                 for m in rows:
                     self.guard("linear", f"{name} M={m}", self._linear_case, name, m, k_full, n, signs, w_full,
                                plans, tws[w8], linear, signed_block_hadamard)
+            if all(t.dp4a is not None for t in tws["dp4a"]):
+                self.guard("linear", f"{name} M=1 dp4a", self._linear_case, name, 1, k_full, n, signs, w_full,
+                           plans, tws["dp4a"], linear, signed_block_hadamard)
             del tws, w_full
             self.empty_cache()
 
@@ -192,10 +197,11 @@ class Checker:
                 ys = [linear.ternary_linear(slices[r], tws[r]) for r in range(ranks)]
             y = ys[0].float() + ys[1].float()
         rt = linear.route(m, tws[0])
-        bound = 3e-3 if rt.path == "gemv" and rt.config.variant == "fma" else (5e-3 if rt.path == "gemv" else 2e-2)
+        bound = (3e-3 if rt.path == "dp4a" or (rt.path == "gemv" and rt.config.variant == "fma")
+                 else (5e-3 if rt.path == "gemv" else 2e-2))
         cut = ", cut block" if plans[0].cut else ""
         label = f"{name} {width}->{n}" + (f" (2 ranks{cut}, summed)" if ranks == 2 else "")
-        label += f", W8 {'kept' if tws[0].w_int8 is not None else 'not kept'}"
+        label += f", W8 {'kept' if tws[0].w_int8 is not None else 'not kept'}" + (", dp4a" if rt.path == "dp4a" else "")
         self.add("linear", f"{label} M={m}", str(rt), rel_err(y, y_ref), self.bf16_bound(bound))
 
     # ------------------------------------------------------------------------------------- K3V2

@@ -89,3 +89,33 @@ def test_split_k_is_deterministic_and_agrees_with_one_slice(split):
 def test_prepare_refuses_a_k_outside_the_scale_groups():
     with pytest.raises(ValueError, match="multiple of the scale group 128"):
         dp4a.prepare(torch.zeros(200, device=DEV))
+
+
+def test_the_route_takes_dp4a_for_one_token_rows_only_when_switched_on():
+    from bonsai_vllm.ternary.kernels import linear
+    from bonsai_vllm.ternary.reference import signed_block_hadamard
+
+    n, k = 64, 1024
+    packed, scales = layer(n, k, seed=8)
+    signs = (torch.randint(0, 2, (k,), generator=torch.Generator().manual_seed(9)).float() * 2 - 1).to(DEV)
+    off = linear.prepare(packed, scales, signs, dp4a=False)
+    on = linear.prepare(packed, scales, signs, dp4a=True)
+    assert linear.route(1, off).path == "gemv"
+    assert linear.route(1, on).path == "dp4a" and on.dp4a == dp4a.default_config(n, k)
+    assert linear.route(2, on).path == "gemv"  # two rows: the fma GEMV as before
+    x = activation(k, seed=10).view(1, k)
+    want = signed_block_hadamard(x.float(), signs, 1024) @ dequantize(packed, scales, 128).float().t()
+    for y in (linear.ternary_linear(x, on),  # rotated here, then prep + GEMV
+              linear.ternary_linear(signed_block_hadamard(x.float(), signs, 1024).to(torch.bfloat16), on,
+                                    rotated=True)):
+        assert y.shape == (1, n) and y.dtype == torch.bfloat16
+        assert (y.float() - want).norm() / want.norm() < 8e-3  # the bf16 output (and bf16 x' for rotated)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(11)).to(DEV)
+    y = linear.ternary_linear(x, on, bias=bias)
+    assert (y.float() - (want + bias)).norm() / (want + bias).norm() < 8e-3
+
+
+def test_default_config_refuses_widths_the_kernel_cannot_step():
+    assert dp4a.default_config(5120, 5120) is not None and dp4a.default_config(17408, 5120).split == 4
+    assert dp4a.default_config(5120, 8704).split == 8
+    assert dp4a.default_config(64, 640) is None  # 40 words: not a multiple of BW = 32

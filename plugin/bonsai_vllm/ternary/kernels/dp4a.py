@@ -1,7 +1,8 @@
 """The M = 1 decode GEMV on dp4a (issue 19's candidate), with its activation prep and deterministic split-K.
 
-Not dispatched: `kernels.linear.route` never picks it yet (a route that has not passed a real-size check in
-`make gpu-check` stays off). `benchmarks/dp4a_gemv.py` checks and times it at the 27B's shapes.
+Off by default: `kernels.linear.route` takes it for M = 1 only with BONSAI_DP4A_GEMV=1 (a route stays off
+until `make gpu-check` has passed it at the real shapes; its cases are there). `benchmarks/dp4a_gemv.py`
+checks and times it at the 27B's shapes.
 
 The served `fma` GEMV spends ~3.3 instructions per weight; here PTX `dp4a` does four weights at once:
 
@@ -58,6 +59,15 @@ class Dp4aConfig:
 
     def __str__(self) -> str:
         return f"bn={self.bn} bw={self.bw} warps={self.warps} stages={self.stages} split={self.split}"
+
+
+def default_config(n: int, k: int) -> Dp4aConfig | None:
+    """The configuration for a layer of N outputs and K inputs, None where the kernel does not apply. From
+    the H200 sweep of benchmarks/dp4a_gemv.py (docs/benchmarks.md): BN = BW = 32, two warps at every shape;
+    four K slices for the wide layers, eight for the 5120-row ones (stages 2 and 3 within run spread)."""
+    if k % GROUP or (k // 16) % 32:
+        return None
+    return Dp4aConfig(bn=32, bw=32, warps=2, stages=2, split=4 if n > 6144 else 8)
 
 
 def _round(v: torch.Tensor) -> torch.Tensor:
@@ -240,6 +250,24 @@ class Dp4aWorkspace:
         if self.counters.numel() < n_tiles:
             self.counters = torch.zeros(n_tiles, dtype=torch.int32, device=self.device)
         return self.partials, self.counters
+
+
+_SHARED: dict[torch.device, Dp4aWorkspace] = {}
+
+
+def shared_workspace(device: torch.device | str) -> Dp4aWorkspace:
+    """One workspace per device for every layer: the layers run one after another on one stream, and each
+    call leaves the counters at zero (the same rule as gemv.py's split-K fixup)."""
+    device = torch.device(device)
+    return _SHARED.setdefault(device, Dp4aWorkspace(device))
+
+
+def reserve(device: torch.device | str, n: int, config: Dp4aConfig, kw: int) -> None:
+    """Grow the shared workspace for a layer at load time, so that no call (nor a CUDA-graph capture)
+    allocates it."""
+    steps = triton.cdiv(kw, config.bw)
+    splits = triton.cdiv(kw, triton.cdiv(steps, config.split) * config.bw)
+    shared_workspace(device).get(splits * n, triton.cdiv(n, config.bn))
 
 
 def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: Dp4aConfig,

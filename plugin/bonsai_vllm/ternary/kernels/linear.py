@@ -7,6 +7,8 @@
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
   `ternary.reference` (the judge), so CPU serving keeps working;
+- M = 1 with BONSAI_DP4A_GEMV=1 (off by default, issue 19): rotation, then dp4a.prepare (int8 bytes of x and
+  its residual) and the dp4a GEMV (dp4a.py): three launches;
 - M <= `GEMV_MAX_M` (2; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
   reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches (three
   for gate_up at M = 1, whose split-K sums its partials in a second small launch);
@@ -26,6 +28,7 @@ from bonsai_vllm.triton_runtime import usable
 from bonsai_vllm.ternary.reference import dequantize
 
 if TYPE_CHECKING:  # the kernel modules are imported lazily (they define @triton.jit functions)
+    from bonsai_vllm.ternary.kernels.dp4a import Dp4aConfig
     from bonsai_vllm.ternary.kernels.gemv import GemvConfig
     from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig
 
@@ -54,6 +57,7 @@ class TernaryWeights:
     row_scale: torch.Tensor  # float32 [N] = max_g |s[n, g]| / 127
     w_int8: torch.Tensor | None = None  # int8 [N, K] = code · q, when expanded at load
     block: int = BLOCK
+    dp4a: Dp4aConfig | None = None  # M = 1 through the dp4a GEMV with this config (prepare's dp4a switch)
 
     @property
     def out_features(self) -> int:
@@ -69,11 +73,13 @@ class TernaryWeights:
 
 
 def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None = None, *,
-            block: int = BLOCK, expand_int8: bool = False) -> TernaryWeights:
+            block: int = BLOCK, expand_int8: bool = False, dp4a: bool | None = None) -> TernaryWeights:
     """Build the layer state once at load time (same device as `packed`).
 
     `expand_int8=True` keeps W8 = code · q (1 byte per weight) for the prefill matmul; leave it False where
     memory is short (2 × 12 GB cards: the 27B's W8 would be 13.5 GB per rank) and W8 is expanded per call.
+    `dp4a`: one-token rows through the dp4a GEMV where Triton runs and the shape allows (None: the
+    BONSAI_DP4A_GEMV switch); its shared workspace is reserved here, not during a call.
     """
     n, kw = packed.shape
     k = kw * 16
@@ -90,6 +96,16 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
                         q, row_scale, None, block)
     if expand_int8:
         tw.w_int8 = _expand(tw)
+    if dp4a is None:
+        from bonsai_vllm import settings
+
+        dp4a = settings.get("BONSAI_DP4A_GEMV")
+    if dp4a and usable(packed):
+        from bonsai_vllm.ternary.kernels import dp4a as dp4a_kernels
+
+        tw.dp4a = dp4a_kernels.default_config(n, k)
+        if tw.dp4a is not None:
+            dp4a_kernels.reserve(packed.device, n, tw.dp4a, kw)
     return tw
 
 
@@ -116,18 +132,19 @@ def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.T
 
 @dataclass(frozen=True)
 class Route:
-    """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "gemv" (config: the
+    """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "dp4a" (config: the
+    dp4a.Dp4aConfig the layer was prepared with), "gemv" (config: the
     gemv.GemvConfig of gemv.default_config) or "int8" (config: the int8mm.Int8GemmConfig of
     int8mm.default_config; w8: "kept" at load or "expanded" per call). make gpu-check prints it beside each
     case."""
 
     path: str
-    config: GemvConfig | Int8GemmConfig | None = None
+    config: GemvConfig | Int8GemmConfig | Dp4aConfig | None = None
     w8: str = ""
 
     def __str__(self) -> str:
-        if self.path == "gemv":
-            return f"gemv {self.config}"
+        if self.path in ("gemv", "dp4a"):
+            return f"{self.path} {self.config}"
         if self.path == "int8":
             return f"int8 {self.config}, W8 {self.w8}"
         return self.path
@@ -137,6 +154,8 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
     """The path for m rows (the dispatch rule of the module docstring)."""
     if not triton_ok:
         return Route("reference")
+    if m == 1 and tw.dp4a is not None:
+        return Route("dp4a", tw.dp4a)
     if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
         from bonsai_vllm.ternary.kernels import gemv
 
@@ -166,7 +185,16 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
     r = route(m, tw, usable(x))
     if r.path == "reference":
         return _reference(x, tw, rotated, bias)
-    if r.path == "gemv":
+    if r.path == "dp4a":
+        from bonsai_vllm.ternary.kernels import dp4a
+        from bonsai_vllm.ternary.kernels.hadamard import block_hadamard
+
+        xr = x2 if rotated else block_hadamard(x2, tw.signs, tw.block)
+        y = dp4a.gemv(dp4a.prepare(xr), tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device))  # fp32 [N]
+        if bias is not None:
+            y = y + bias.float()
+        y = y.to(x.dtype)
+    elif r.path == "gemv":
         from bonsai_vllm.ternary.kernels import gemv
         from bonsai_vllm.ternary.kernels.hadamard import block_hadamard, gemv_order
 
