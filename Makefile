@@ -55,17 +55,23 @@ up: .env proxy/keys webui-secret ## start the stack on the GPU PC: model-fetch, 
 	$(COMPOSE) up -d --build
 	@echo ">> up."
 
+# $(call random_secret,NAME,what it is): a random 48-character NAME in .env unless it has a value already
+# (an empty `NAME=` line from .env.example is filled in place, a missing one appended).
+define random_secret
+	@if ! grep -q '^$(1)=.' .env; then \
+		key=$$(head -c 48 /dev/urandom | base64 | tr -d '/+=\n' | head -c 48); \
+		if grep -q '^$(1)=' .env; then \
+			sed -i "s|^$(1)=.*|$(1)=$$key|" .env; \
+		else \
+			echo "$(1)=$$key" >> .env; \
+		fi; \
+		echo ">> wrote a random $(1) to .env ($(2))"; \
+	fi
+endef
+
 # Open WebUI signs its sessions with WEBUI_SECRET_KEY: a random one written once, kept across recreates.
 webui-secret: .env
-	@if ! grep -q '^WEBUI_SECRET_KEY=.' .env; then \
-		key=$$(head -c 48 /dev/urandom | base64 | tr -d '/+=\n' | head -c 48); \
-		if grep -q '^WEBUI_SECRET_KEY=' .env; then \
-			sed -i "s|^WEBUI_SECRET_KEY=.*|WEBUI_SECRET_KEY=$$key|" .env; \
-		else \
-			echo "WEBUI_SECRET_KEY=$$key" >> .env; \
-		fi; \
-		echo ">> wrote a random WEBUI_SECRET_KEY to .env (Open WebUI's session signing key)"; \
-	fi
+	$(call random_secret,WEBUI_SECRET_KEY,Open WebUI's session signing key)
 
 # An extra GPU PC serving the model alone for the main PC's gateway (docs/scale-out.md): compose.server.yaml
 # publishes vLLM on SERVER_BIND:SERVER_PORT and keeps the gateway and the web UI from starting here. `up` names
@@ -89,15 +95,7 @@ server: .env upstream-key ## on an extra GPU PC: model-fetch + vLLM only, publis
 # The gateway sends one key to every model server, so all of them share it: written only when .env has none.
 # For a third PC, copy the same UPSTREAM_API_KEY into its .env before `make server`.
 upstream-key: .env
-	@if ! grep -q '^UPSTREAM_API_KEY=.' .env; then \
-		key=$$(head -c 48 /dev/urandom | base64 | tr -d '/+=\n' | head -c 48); \
-		if grep -q '^UPSTREAM_API_KEY=' .env; then \
-			sed -i "s|^UPSTREAM_API_KEY=.*|UPSTREAM_API_KEY=$$key|" .env; \
-		else \
-			echo "UPSTREAM_API_KEY=$$key" >> .env; \
-		fi; \
-		echo ">> wrote a random UPSTREAM_API_KEY to .env (the model server's key; the main PC's .env needs the same)"; \
-	fi
+	$(call random_secret,UPSTREAM_API_KEY,the model server's key; the main PC's .env needs the same)
 
 # With the monitoring profile named, `down` also stops Prometheus and Grafana if they run.
 down: ## stop the stack, monitoring included (volumes and the downloaded model are kept)
