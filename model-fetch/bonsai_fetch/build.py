@@ -330,7 +330,9 @@ class Builder:
             if o.vision_check:
                 self.check_vision_lineage(src)
         if o.mtp_repo:
-            src.mtp = self.hub.snapshot(o.mtp_repo, o.mtp_revision)
+            local = o.mtp_repo.startswith(("/", ".", "~")) or Path(o.mtp_repo).is_dir()
+            src.mtp = (self.hub.local_snapshot(Path(o.mtp_repo)) if local
+                       else self.hub.snapshot(o.mtp_repo, o.mtp_revision))
             self.hub.require(src.mtp, o.mtp_file)
         return src
 

@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--vision-check", metavar="1|0", help="refuse a vision tower whose model card names another base model than "
                                             "the weights' card [BONSAI_VISION_CHECK; default 1]")
     # report 002: the field report described in docs/field-reports.md (§6, the Japanese MTP head).
-    a("--mtp-repo", metavar="REPO|off",
-      help="a repo holding a replacement MTP head (e.g. a Japanese-trained one, report 002); 'off' keeps the "
+    a("--mtp-repo", metavar="REPO|DIR|off",
+      help="a repo, or a local folder (an absolute or ./ path, e.g. where bonsai-mtp-train wrote its "
+           "mtp.safetensors), holding a replacement MTP head (e.g. a Japanese-trained one, report 002); 'off' keeps the "
            "checkpoint's own head [BONSAI_MTP_REPO; default off]")
     a("--mtp-file", metavar="FILE", help="the head's safetensors file in that repo, mtp.* tensors with the "
                                          "model's names, shapes and dtypes [BONSAI_MTP_FILE; default mtp.safetensors]")

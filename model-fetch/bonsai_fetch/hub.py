@@ -144,6 +144,31 @@ class Hub:
                                             git_oid=None if lfs else s.blob_id)
         return Snapshot(repo=repo, revision=revision, commit=info.sha, files=files)
 
+    def local_snapshot(self, folder: Path) -> Snapshot:
+        """A local folder (e.g. BONSAI_MTP_REPO=/data/mtp-head, where bonsai-mtp-train wrote mtp.safetensors)
+        as a snapshot: pinned to the sha256 of its files, which are copied into the store so the rest of the
+        build treats them as a download already done."""
+        folder = folder.expanduser().resolve()
+        if not folder.is_dir():
+            raise NotFoundError(f"{folder}: no such folder")
+        files, digest = {}, hashlib.sha256()
+        for f in sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")):
+            h = hashlib.sha256()
+            with f.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+            files[f.name] = RemoteFile(path=f.name, size=f.stat().st_size, sha256=h.hexdigest())
+            digest.update(f"{f.name}\0{h.hexdigest()}\n".encode())
+        snap = Snapshot(repo="local" + str(folder), revision="local", commit=digest.hexdigest()[:40], files=files)
+        for name in files:
+            local = self.local_path(snap, name)
+            if not self.is_cached(snap, name):
+                local.parent.mkdir(parents=True, exist_ok=True)
+                tmp = local.with_name(local.name + ".incomplete")
+                tmp.write_bytes((folder / name).read_bytes())
+                os.replace(tmp, local)
+        return snap
+
     # --------------------------------------------------------------------------------------- the store
 
     def snapshot_dir(self, snap: Snapshot) -> Path:

@@ -205,7 +205,7 @@ ELSEWHERE: tuple[Elsewhere, ...] = (
     Elsewhere("BONSAI_VISION_REPO", _FETCH, "where the vision tower comes from, or off (--vision-repo)"),
     Elsewhere("BONSAI_VISION_REVISION", _FETCH, "its revision (--vision-revision)"),
     Elsewhere("BONSAI_VISION_CHECK", _FETCH, "refuse a tower of another base model (--vision-check)"),
-    Elsewhere("BONSAI_MTP_REPO", _FETCH, "a replacement MTP head, or off (--mtp-repo)"),
+    Elsewhere("BONSAI_MTP_REPO", _FETCH, "a replacement MTP head: a Hub repo or a local folder, or off (--mtp-repo)"),
     Elsewhere("BONSAI_MTP_FILE", _FETCH, "the safetensors file in it (--mtp-file)"),
     Elsewhere("BONSAI_MTP_REVISION", _FETCH, "its revision (--mtp-revision)"),
     Elsewhere("BONSAI_EMBED_EXPORT", _FETCH, "export the embedding for SSD lookup (--no-embed-export turns it off)"),
