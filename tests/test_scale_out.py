@@ -183,12 +183,19 @@ def copy_for_make(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def make(cwd: Path, *targets: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def clean_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without the settings under test, nor the MAKEFLAGS / MAKELEVEL / MFLAGS that
+    `make test` hands down (with them a make here is a sub-make and prints "Entering directory" lines)."""
     import os
 
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("UPSTREAM", "SERVER_", "MAKE"))}
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("UPSTREAM", "SERVER_", "MAKE")) and k not in ("MFLAGS", "MAKEOVERRIDES")}
+    return {**base, **(env or {})}
+
+
+def make(cwd: Path, *targets: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", *targets, "COMPOSE=echo compose"], cwd=cwd, capture_output=True,
-                          text=True, timeout=60, env={**base, **(env or {})})
+                          text=True, timeout=60, env=clean_env(env))
 
 
 def dotenv(path: Path, name: str) -> list[str]:
@@ -230,7 +237,8 @@ def test_make_server_keeps_a_key_copied_from_another_pc_and_reads_the_port_from_
     r = make(cwd, "server", env={"SERVER_PORT": "8002"})
     assert ":8002" in r.stdout and ":8001" not in r.stdout
     # make lan-server forwards the same port
-    r = subprocess.run(["make", "-n", "lan-server"], cwd=cwd, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["make", "-n", "lan-server"], cwd=cwd, capture_output=True, text=True, timeout=60,
+                       env=clean_env())
     assert r.stdout.strip() == "wsl/lan --server --port 8001", r.stdout + r.stderr
 
 
