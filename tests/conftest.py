@@ -37,6 +37,26 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mtp(tiny_model, tmp_path_factory):
+    """The session's tiny model plus a random one-layer MTP head (as `bonsai-tiny --mtp` writes it): most drafts
+    rejected (tests/kv/test_k3v2_served.py), or the head to retrain (tests/mtp/test_mtp_train_served.py). Read only."""
+    from transformers import AutoConfig
+
+    from bonsai_vllm.testing.tiny import make_mtp_tensors
+
+    out = tmp_path_factory.mktemp("tiny-mtp") / "model"
+    shutil.copytree(tiny_model, out)
+    (weights,) = out.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors.update(make_mtp_tensors(AutoConfig.from_pretrained(tiny_model), seed=1))
+    save_file(dict(sorted(tensors.items())), weights, metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
 def ternary_checkpoints(tiny_model, tmp_path_factory) -> dict[str, Path]:
     """The tiny model in prism_ternary form, its dense twin, and two variants the comparisons need.
 

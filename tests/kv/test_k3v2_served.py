@@ -22,7 +22,6 @@ K3V2 pages, most of them quantized (the tiny model's hybrid-aligned block on vLL
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -167,26 +166,7 @@ def test_missing_rotation_file_stops_start_up(tiny_model, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- MTP
-
-@pytest.fixture(scope="module")
-def tiny_mtp(tiny_model, tmp_path_factory):
-    """The session's tiny model plus a random one-layer MTP head (as `bonsai-tiny --mtp` writes it)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
-
-    from bonsai_vllm.testing.tiny import make_mtp_tensors
-
-    out = tmp_path_factory.mktemp("tiny-mtp") / "model"
-    shutil.copytree(tiny_model, out)
-    (weights,) = out.glob("*.safetensors")
-    tensors = load_file(weights)
-    tensors.update(make_mtp_tensors(AutoConfig.from_pretrained(tiny_model), seed=1))
-    save_file(dict(sorted(tensors.items())), weights, metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["mtp_num_hidden_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
+# tiny_mtp: the session's tiny model with a random MTP head (tests/conftest.py)
 
 MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
 # vLLM-CPU cannot run MTP on a hybrid model with prefix caching: mamba "align" mode's fused pre-copy is a

@@ -118,25 +118,6 @@ def pipeline(model: Path, work: Path, steps: int = 40) -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def tiny_mtp(tiny_model, tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
-
-    from bonsai_vllm.testing.tiny import make_mtp_tensors
-
-    out = tmp_path_factory.mktemp("tiny-mtp-train") / "model"
-    shutil.copytree(tiny_model, out)
-    (weights,) = out.glob("*.safetensors")
-    tensors = load_file(weights)
-    tensors.update(make_mtp_tensors(AutoConfig.from_pretrained(tiny_model), seed=1))
-    save_file(dict(sorted(tensors.items())), weights, metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["mtp_num_hidden_layers"] = 1
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
-
-
 @pytest.mark.slow
 def test_retrained_head_is_accepted_and_changes_no_token(tiny_mtp, tmp_path):
     pytest.importorskip("vllm")
