@@ -192,15 +192,6 @@ function M.access()
     end
 end
 
--- The slot is given back before the client can have the end of the response. Giving it back in the log
--- phase only would race: a client that sends its next request as soon as the previous answer is complete
--- could reach the other worker before this one ran its log phase, and get a 429 it did not earn.
--- The last buffer's flag (ngx.arg[2]) is not early enough for an answer with a Content-Length: with
--- proxy_buffering off nginx writes the upstream's bytes to the client first and only then, when it
--- finalizes the upstream request, sends the last-buffer flag through this filter -- by which time the
--- client has every byte it was promised (CI saw that race once in 150 back-to-back requests). So such an
--- answer gives the slot back as its final byte passes here, on its way to the socket. A chunked answer
--- (streams) is safe with the flag: its terminating chunk is written by the chunked filter after this one.
 -- A stream the model server cut off (it died, or proxy_read_timeout passed): nginx has already sent the
 -- 200 head and part of the events, so no error page can follow. It finalizes the request without the
 -- last buffer: the body filter sees one empty, non-last buffer after the upstream's response time is
@@ -218,6 +209,15 @@ local function cut_off_stream(var)
     return last_try ~= nil and last_try ~= "-"
 end
 
+-- The slot is given back before the client can have the end of the response. Giving it back in the log
+-- phase only would race: a client that sends its next request as soon as the previous answer is complete
+-- could reach the other worker before this one ran its log phase, and get a 429 it did not earn.
+-- The last buffer's flag (ngx.arg[2]) is not early enough for an answer with a Content-Length: with
+-- proxy_buffering off nginx writes the upstream's bytes to the client first and only then, when it
+-- finalizes the upstream request, sends the last-buffer flag through this filter -- by which time the
+-- client has every byte it was promised (CI saw that race once in 150 back-to-back requests). So such an
+-- answer gives the slot back as its final byte passes here, on its way to the socket. A chunked answer
+-- (streams) is safe with the flag: its terminating chunk is written by the chunked filter after this one.
 function M.body_filter()
     local var = ngx.var
     if cut_off_stream(var) then
