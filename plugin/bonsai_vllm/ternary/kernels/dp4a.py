@@ -262,11 +262,16 @@ def shared_workspace(device: torch.device | str) -> Dp4aWorkspace:
     return _SHARED.setdefault(device, Dp4aWorkspace(device))
 
 
+def _slices(kw: int, config: Dp4aConfig) -> tuple[int, int]:
+    """(words per K slice, number of slices): `config.split` slices of whole BW steps, fewer when K is short."""
+    chunk = triton.cdiv(triton.cdiv(kw, config.bw), config.split) * config.bw
+    return chunk, triton.cdiv(kw, chunk)
+
+
 def reserve(device: torch.device | str, n: int, config: Dp4aConfig, kw: int) -> None:
     """Grow the shared workspace for a layer at load time, so that no call (nor a CUDA-graph capture)
     allocates it."""
-    steps = triton.cdiv(kw, config.bw)
-    splits = triton.cdiv(kw, triton.cdiv(steps, config.split) * config.bw)
+    _, splits = _slices(kw, config)
     shared_workspace(device).get(splits * n, triton.cdiv(n, config.bn))
 
 
@@ -277,9 +282,7 @@ def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     n, kw = packed.shape
     if kw % config.bw:
         raise ValueError(f"dp4a.gemv: K/16 = {kw} is not a multiple of BW = {config.bw}")
-    steps = triton.cdiv(kw, config.bw)
-    chunk = triton.cdiv(steps, config.split) * config.bw
-    splits = triton.cdiv(kw, chunk)
+    chunk, splits = _slices(kw, config)
     tiles = triton.cdiv(n, config.bn)
     y = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
     partials, counters = workspace.get(splits * n if splits > 1 else 1, tiles)
