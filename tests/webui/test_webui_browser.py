@@ -79,10 +79,11 @@ class Recorder:
     """Between the gateway and vLLM: passes every request and its (streamed) response through unchanged,
     keeping the request bodies, so a test can replay what the UI really sent.
 
-    A streamed answer is relayed one server-sent event at a time, `pace` seconds apart: the tiny model on CPU
-    writes its ~30 tokens in well under one of the browser's 50 ms samples on a fast machine (CI once saw the
-    answer appear whole), where the served model at 90 tok/s takes ~11 ms a token. Pacing at 20 events a
-    second gives the page time to show the answer growing; the bytes are unchanged."""
+    A streamed answer is relayed one server-sent event at a time, `pace` seconds apart, and each relayed
+    stream's events are kept (`streams`): the tiny model on CPU writes its ~30 tokens in a few milliseconds
+    each, where the served model at 90 tok/s takes ~11 ms a token, and Open WebUI may render several of
+    them at once. Pacing at 20 events a second lets the page render each stage (reasoning, a growing
+    answer) the way a person sees it with the real model; the bytes are unchanged."""
 
     def __init__(self, upstream: str, pace: float = 0.05):
         import http.server
@@ -90,6 +91,7 @@ class Recorder:
 
         recorder = self
         self.bodies: list[tuple[str, bytes]] = []
+        self.streams: list[list[bytes]] = []  # each streamed response's events, as relayed
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.0"  # the response ends when the connection closes: no re-framing
@@ -107,11 +109,14 @@ class Recorder:
                     self.send_header("Connection", "close")
                     self.end_headers()
                     if r.headers.get("content-type", "").startswith("text/event-stream"):
+                        relayed: list[bytes] = []
+                        recorder.streams.append(relayed)
                         pending = b""
                         for chunk in r.iter_content(chunk_size=None):
                             pending += chunk
                             *events, pending = pending.split(b"\n\n")
                             for event in events:
+                                relayed.append(event)
                                 self.wfile.write(event + b"\n\n")
                                 self.wfile.flush()
                                 time.sleep(pace)
@@ -232,22 +237,55 @@ def last_response(driver):
     return box.text, body, toggles[0] if toggles else None
 
 
-def watch_answer(driver, timeout: float = 180) -> list[tuple[float, str, str]]:
-    """Sample the last answer every 50 ms until the scripted answer is complete: [(t, text, body)]."""
-    from selenium.common.exceptions import StaleElementReferenceException
+def wait_for_answer(driver, timeout: float = 180) -> None:
+    """Until the last answer's body holds the whole scripted answer."""
+    wait_for(lambda: SCRIPT_ANSWER in last_response(driver)[1], timeout=timeout, every=0.2,
+             what="the complete scripted answer")
 
-    samples = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+# Every state the page renders, recorded in the page: a MutationObserver reads the last answer's text (and its
+# body without the reasoning toggle) after each batch of DOM changes. Sampling from Selenium every 50 ms missed
+# short states on a loaded CI machine (the reasoning, shown as "Thinking..." for under one sample, once).
+_RECORD_RENDERS = """
+if (window.__bonsaiObserver) window.__bonsaiObserver.disconnect();
+window.__bonsaiRenders = [];
+const read = () => {
+  const boxes = document.querySelectorAll('#response-content-container');
+  if (!boxes.length) return;
+  const box = boxes[boxes.length - 1];
+  const body = Array.from(box.querySelectorAll('.markdown-prose')).map(e => e.innerText).join(' ');
+  const text = box.innerText;
+  const renders = window.__bonsaiRenders, last = renders[renders.length - 1];
+  if (!last || last[0] !== text || last[1] !== body) renders.push([text, body]);
+};
+window.__bonsaiObserver = new MutationObserver(read);
+window.__bonsaiObserver.observe(document.body, {subtree: true, childList: true, characterData: true});
+"""
+
+
+def record_renders(driver) -> None:
+    """From now on, keep every distinct (text, body) the last answer is rendered with (see rendered())."""
+    driver.execute_script(_RECORD_RENDERS)
+
+
+def rendered(driver) -> list[tuple[str, str]]:
+    """The distinct (text, body) states of the last answer since record_renders(), in order."""
+    return [tuple(r) for r in driver.execute_script("return window.__bonsaiRenders || [];")]
+
+
+def _delta_kinds(events: list[bytes]) -> list[str]:
+    """Per relayed event of a chat stream: 'r' reasoning only, 'c' content only, 'rc' both, '' neither."""
+    kinds = []
+    for event in events:
+        data = event.decode(errors="replace").removeprefix("data: ").strip()
         try:
-            text, body, _ = last_response(driver)
-        except StaleElementReferenceException:  # re-rendered between find and read: sample again
+            delta = json.loads(data)["choices"][0]["delta"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            kinds.append("")
             continue
-        samples.append((time.monotonic(), text, body))
-        if SCRIPT_ANSWER in body:
-            return samples
-        time.sleep(0.05)
-    raise AssertionError(f"no complete answer in {timeout:.0f} s; last: {samples[-1][1]!r}")
+        kinds.append(("r" if delta.get("reasoning") or delta.get("reasoning_content") else "")
+                     + ("c" if delta.get("content") else ""))
+    return kinds
 
 
 def chat_entries(gateway: Gateway, since: int = 0) -> list[dict]:
@@ -278,17 +316,25 @@ def test_sign_in_and_the_served_model_is_preselected(browser, webui):
     shot(browser, "02-new-chat")
 
 
-def test_answer_streams_in_with_the_reasoning_folded(browser, gateway):
-    seen = len(gateway.log_entries())
+def test_answer_streams_in_with_the_reasoning_folded(browser, gateway, recorder):
+    seen, streams_before = len(gateway.log_entries()), len(recorder.streams)
+    record_renders(browser)
     send(browser, "What comes after Monday?")
-    samples = watch_answer(browser)
+    wait_for_answer(browser)
     shot(browser, "03-answer")
-    final_body = samples[-1][2]
+    renders = rendered(browser)
+    final_body = renders[-1][1]
+    # How vLLM's stream reached the UI, for the messages below: vLLM merges deltas its API server has not yet
+    # sent, so on a busy machine one event can carry several tokens.
+    kinds = [_delta_kinds(events) for events in recorder.streams[streams_before:]]
+    kinds = [k for k in kinds if any("r" in kind for kind in k)]
+    arrived = f"chat stream events (r reasoning, c content): {kinds}"
     # Streamed: the page showed the answer growing (a part of it before all of it), and the reasoning as
     # "Thinking..." before it was folded.
-    partial = [b for _, _, b in samples if b and b != final_body and SCRIPT_ANSWER.startswith(b.strip()[:10])]
-    assert partial, f"the answer appeared whole: no partial text among {len(samples)} samples"
-    assert any("Thinking" in t for _, t, _ in samples), "no reasoning shown while it was generated"
+    partial = [b for _, b in renders if b and b != final_body and SCRIPT_ANSWER.startswith(b.strip()[:10])]
+    assert partial, f"the answer appeared whole: no partial text among {len(renders)} renders; {arrived}"
+    assert any("Thinking" in t for t, _ in renders), \
+        f"no reasoning shown while it was generated; renders: {[t[:60] for t, _ in renders]}; {arrived}"
     # The reasoning is a collapsed section, not body text; opening it shows it.
     _, body, toggle = last_response(browser)
     assert SCRIPT_ANSWER in body and SCRIPT_REASONING not in body
@@ -359,7 +405,7 @@ def test_an_attached_image_reaches_the_model(browser, gateway, vllm, recorder, t
              what="the attached image's preview")
     shot(browser, "05-image-attached")
     send(browser, "Look.")
-    watch_answer(browser)
+    wait_for_answer(browser)
     shot(browser, "06-image-answer")
     chat = next(e for e in chat_entries(gateway, seen) if e["stream"])
     assert chat["bytes_in"] > len(url), "the UI's request does not carry the image"
