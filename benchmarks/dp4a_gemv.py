@@ -8,10 +8,12 @@ the GPU, with compiled PTX dp4a:
 
 - every configuration against the float32 layer (ternary.reference.dequantize) on fresh data; the chosen one
   run three more times and required bit-equal (split-K must be deterministic);
-- times, as CUDA-graph replays over weight copies that miss L2 (the prep runs on the device now, so the
-  whole call is captured): the GEMV alone, prep + GEMV (what would replace the served GEMV at M = 1), the
-  served GEMV (`ternary_linear`, W8 not kept) and bf16 cuBLAS; and the fraction of copy bandwidth each
-  reaches. Not dispatched yet: docs/benchmarks.md has the figures and what stands before it is.
+- times, as CUDA-graph replays over weight copies that miss L2 (the prep runs on the device, so the
+  whole call is captured): the GEMV alone, prep + GEMV, the served call at M = 1 (`ternary_linear`, W8
+  not kept, x as the adapter passes it: unrotated, so rotation + prep are one kernel, except down_proj's
+  rotated x; what BONSAI_DP4A_GEMV=1, the default, serves), the fma route it replaced
+  (BONSAI_DP4A_GEMV=0, the same x) and bf16 cuBLAS; and the fraction of copy bandwidth each reaches. The LM head (5120 → 124160 per rank) runs at the default config only (no sweep: its weights
+  are 160 MB a copy). docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from benchmarks import kernels as bk
 from bonsai_vllm.ternary.kernels import dp4a
 from bonsai_vllm.ternary.kernels.dp4a import Dp4aConfig
-from bonsai_vllm.ternary.reference import dequantize
+from bonsai_vllm.ternary.reference import dequantize, signed_block_hadamard
 
 CONFIGS = [Dp4aConfig(bn, bw, w, s, sp) for bn in (4, 8, 16, 32) for bw in (16, 32) for w in (1, 2, 4) for s in (2, 3)
            for sp in (1, 2, 4, 8) if 64 <= bn * bw <= 1024]
@@ -44,20 +46,25 @@ def main(argv: list[str] | None = None) -> int:
     bw = bk.copy_bandwidth()
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     rows, failures = [], []
-    for name, k, n in bk.SHAPES:
-        packed, scales, _ = bk.random_layer(n, k, dev, seed=3)
+    for name, k, n in bk.SHAPES + [("lm_head", 5120, 124160)]:
+        packed, scales, signs = bk.random_layer(n, k, dev, seed=3)
+        # The served call as the adapter makes it: x unrotated (rotation and prep in one kernel), except for
+        # down_proj, whose TP=2 rank cuts a Hadamard block and gets x rotated (prep alone).
+        rotated = k % 1024 != 0
         w_ref = dequantize(packed, scales, 128)
         tern_bytes = n * k / 4 + n * k / 128 * 2
         copies = bk.n_copies(int(tern_bytes), l2)
         tern = [(packed.clone(), scales.clone()) for _ in range(copies)]
-        tws = [linear.prepare(p, s, None, expand_int8=False) for p, s in tern]
+        sg = None if rotated else signs
+        tws = [linear.prepare(p, s, sg, expand_int8=False, dp4a=False) for p, s in tern]  # the fma GEMV
+        tws_dp4a = [linear.prepare(p, s, sg, expand_int8=False, dp4a=True) for p, s in tern]  # served now
         dense = [w_ref.to(torch.bfloat16) for _ in range(bk.n_copies(2 * n * k, l2))]
         x = bk.randn(1, k, device=dev, seed=11)
         act = dp4a.prepare(x)
         ws = dp4a.Dp4aWorkspace(dev)
         want = (x.float() @ w_ref.t())[0]
         ok = []
-        for cfg in CONFIGS:
+        for cfg in (CONFIGS if name != "lm_head" else [dp4a.default_config(n, k)]):
             if (k // 16) % cfg.bw:
                 continue
             try:
@@ -83,24 +90,36 @@ def main(argv: list[str] | None = None) -> int:
         t_both = bk.time_graph(lambda i: dp4a.gemv(dp4a.prepare(x, out=act), tern[i][0], tern[i][1], best, ws),
                                copies, bk.calls_for(12))
         t_prep = bk.time_graph(lambda i: dp4a.prepare(x, out=act), 1, bk.calls_for(3))
-        t_served = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=True), copies, bk.calls_for(15))
+        t_served = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=rotated), copies,
+                                 bk.calls_for(15))
+        t_served_dp4a = bk.time_graph(lambda i: linear.ternary_linear(x, tws_dp4a[i], rotated=rotated), copies,
+                                      bk.calls_for(15))
+        y_served = linear.ternary_linear(x, tws_dp4a[0], rotated=rotated).float()[0]
+        xr = x.float() if rotated else signed_block_hadamard(x.float(), signs, 1024)
+        err_served = bk.rel(y_served, (xr @ w_ref.t())[0])
+        if not (torch.isfinite(y_served).all() and err_served < 8e-3):  # the bf16 output of the served call
+            failures.append(f"{name} served dp4a route: {err_served:.2e}")
         t_bf16 = bk.time_graph(lambda i: F.linear(x, dense[i]), len(dense), bk.calls_for(30))
         floor = tern_bytes / bw * 1e6
         rows.append(dict(layer=name, K=k, N=n, dp4a_us=timed[best], with_prep_us=t_both, prep_us=t_prep,
-                         config=asdict(best), err=err, served_us=t_served, bf16_us=t_bf16, floor_us=floor))
+                         config=asdict(best), err=err, served_us=t_served, served_dp4a_us=t_served_dp4a,
+                         served_err=err_served, rotated=rotated,
+                         served_dp4a_config=str(tws_dp4a[0].dp4a), bf16_us=t_bf16, floor_us=floor))
         bk.say(f"  {name:8s} dp4a {timed[best]:6.2f} µs ({100 * floor / timed[best]:.0f}% of copy bw, {best}, "
-               f"err {err:.1e}), with prep {t_both:6.2f}  served {t_served:6.2f} ({100 * floor / t_served:.0f}%)  "
-               f"bf16 {t_bf16:6.2f}")
+               f"err {err:.1e}), with prep {t_both:6.2f}  served dp4a {t_served_dp4a:6.2f}  "
+               f"fma {t_served:6.2f} ({100 * floor / t_served:.0f}%)  bf16 {t_bf16:6.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dp4a-gemv.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
-    lines = ["| layer | dp4a µs | % of copy bw | prep + dp4a µs | × served | served fma µs | % of copy bw | "
-             "bf16 µs | × bf16 (prep incl.) | error vs float32 | config |", "|" + "---|" * 11]
+    lines = ["| layer | dp4a µs | % of copy bw | prep + dp4a µs | served (dp4a) µs | served fma µs | × fma | "
+             "% of copy bw (served) | bf16 µs | × bf16 (served) | error vs float32 (GEMV; served, bf16 out) | "
+             "best config | served config |", "|" + "---|" * 13]
     for r in rows:
         lines.append(f"| {r['layer']} | {r['dp4a_us']:.2f} | {100 * r['floor_us'] / r['dp4a_us']:.0f} | "
-                     f"{r['with_prep_us']:.2f} | {r['served_us'] / r['with_prep_us']:.2f} | {r['served_us']:.2f} | "
-                     f"{100 * r['floor_us'] / r['served_us']:.0f} | {r['bf16_us']:.2f} | "
-                     f"{r['bf16_us'] / r['with_prep_us']:.2f} | {r['err']:.1e} | {Dp4aConfig(**r['config'])} |")
+                     f"{r['with_prep_us']:.2f} | {r['served_dp4a_us']:.2f} | {r['served_us']:.2f} | "
+                     f"{r['served_us'] / r['served_dp4a_us']:.2f} | {100 * r['floor_us'] / r['served_dp4a_us']:.0f} | "
+                     f"{r['bf16_us']:.2f} | {r['bf16_us'] / r['served_dp4a_us']:.2f} | {r['err']:.1e}; {r['served_err']:.1e} | "
+                     f"{Dp4aConfig(**r['config'])} | {r['served_dp4a_config']} |")
     (out / "dp4a-gemv.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print("\n## check failures\n" + ("\n".join(failures) if failures else "none"))

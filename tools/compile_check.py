@@ -83,6 +83,10 @@ class _CompileOnlyDriver:
 
 _PTXAS = re.compile(r"Compiling entry function '(?P<name>[^']+)'.*?Used (?P<regs>\d+) registers", re.S)
 _SPILL = re.compile(r"(\d+) bytes spill stores")
+# compiled kernel hash (it names the target too) -> (registers, spilled bytes), for every compile_only
+# block of the run: a kernel compiled in one block sits in its JITFunction's in-memory cache in the next and
+# prints nothing there (the dp4a prep runs in both the ternary_linear and the dp4a drivers)
+_PTXAS_SEEN: dict[str, tuple[int, int]] = {}
 
 
 @contextlib.contextmanager
@@ -96,7 +100,7 @@ def compile_only(capability: int, results: list[Compiled]):
     from bonsai_vllm import triton_runtime as _triton
     from bonsai_vllm.ternary.kernels import linear
 
-    ptxas: dict[str, tuple[int, int]] = {}  # compiled kernel hash -> (registers, spilled bytes)
+    ptxas = _PTXAS_SEEN
 
     def getitem(fn, grid):
         def launch(*args, **kwargs):
@@ -136,7 +140,8 @@ def compile_only(capability: int, results: list[Compiled]):
 
 
 def drive_ternary() -> None:
-    """ternary_linear for every layer and dispatch class: rotation, GEMV, quantization, int8 GEMM, W8 expansion."""
+    """ternary_linear for every layer and dispatch class: rotation (with the dp4a prep at M = 1), GEMVs,
+    quantization, int8 GEMM, W8 expansion."""
     from bonsai_vllm.ternary.kernels.int8mm import default_config, rescale
     from bonsai_vllm.ternary.kernels.linear import prepare, ternary_linear
 
@@ -152,6 +157,9 @@ def drive_ternary() -> None:
                 ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
                 if default_config(m, n, k).backend == "int_mm":  # on a GPU: cuBLAS _int_mm, then our rescale
                     rescale(torch.zeros(m, n, dtype=torch.int32), torch.ones(m), torch.ones(n))
+        # one-token rows on the fma GEMV as well (BONSAI_DP4A_GEMV=0; the default above took dp4a)
+        tw = prepare(packed, scales, None if rotated else signs, dp4a=False)
+        ternary_linear(torch.randn(1, k, generator=g).bfloat16(), tw, rotated=rotated)
 
 
 def drive_allreduce() -> None:
@@ -188,8 +196,8 @@ def drive_kv() -> None:
 
 
 def drive_dp4a() -> None:
-    """Issue 19's M = 1 candidate (ternary.kernels.dp4a, not dispatched yet): its prep and its GEMV with
-    inline PTX dp4a, one and several K slices, at every layer's shape."""
+    """Issue 19's M = 1 GEMV (ternary.kernels.dp4a; drive_ternary reaches it at the default config): its prep
+    and its GEMV with inline PTX dp4a, other tiles, one and several K slices, at every layer's shape."""
     from bonsai_vllm.ternary.kernels import dp4a
 
     g = torch.Generator().manual_seed(0)

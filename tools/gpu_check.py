@@ -160,17 +160,16 @@ class Checker:
                 tws[w8] = [linear.prepare(pack_ternary(codes[:, r * width:(r + 1) * width].contiguous()),
                                           scales[:, r * width // 128:(r + 1) * width // 128].contiguous(),
                                           signs[r * width:(r + 1) * width], expand_int8=w8) for r in range(ranks)]
-            # issue 19's dp4a GEMV (BONSAI_DP4A_GEMV, off by default): one-token rows, W8 not kept
-            tws["dp4a"] = [linear.prepare(t.packed, t.scales, t.signs, dp4a=True) for t in tws[False]]
+            # The fma GEMV at one-token rows, which BONSAI_DP4A_GEMV=0 serves (the default is the dp4a GEMV)
+            tws["fma"] = [linear.prepare(t.packed, t.scales, t.signs, dp4a=False) for t in tws[False]]
             del codes
             rows = self.sz.lm_head_rows if name == "lm_head" else self.sz.decode_rows + self.sz.prefill_rows
             for w8 in (False, True):
                 for m in rows:
                     self.guard("linear", f"{name} M={m}", self._linear_case, name, m, k_full, n, signs, w_full,
                                plans, tws[w8], linear, signed_block_hadamard)
-            if all(t.dp4a is not None for t in tws["dp4a"]):
-                self.guard("linear", f"{name} M=1 dp4a", self._linear_case, name, 1, k_full, n, signs, w_full,
-                           plans, tws["dp4a"], linear, signed_block_hadamard)
+            self.guard("linear", f"{name} M=1 BONSAI_DP4A_GEMV=0", self._linear_case, name, 1, k_full, n, signs,
+                       w_full, plans, tws["fma"], linear, signed_block_hadamard)
             del tws, w_full
             self.empty_cache()
 

@@ -152,12 +152,13 @@ SETTINGS: tuple[Setting, ...] = (
             "at load, compare the export's cold rows with the checkpoint's, bit for bit: sample (a spread of "
             "rows per shard), full (every cold row) or off",
             "adapters/embedding.py", choices=("sample", "full", "off")),
-    # ---- the K3V2 KV cache (kv/, adapters/k3v2_attention.py; docs/kv-cache.md)
-    Setting("BONSAI_DP4A_GEMV", "bool", False,
+    # ---- the ternary linear layers (ternary/kernels/; docs/benchmarks.md)
+    Setting("BONSAI_DP4A_GEMV", "bool", True,
             "Decode rows of one token (M = 1) through the dp4a GEMV (int8 activations + residual, four weights per "
-            "instruction) instead of the fma GEMV. Off until make gpu-check passes it at the real shapes on the "
-            "GPU in use (docs/benchmarks.md, issue 19).",
+            "instruction; 1.15-1.55x the fma GEMV on the H200) instead of the fma GEMV. 0: the fma GEMV. make "
+            "gpu-check passed it at every real shape on the H200 (2026-12-01, docs/benchmarks.md, issue 19).",
             "ternary/kernels/linear.py"),
+    # ---- the K3V2 KV cache (kv/, adapters/k3v2_attention.py; docs/kv-cache.md)
     Setting("BONSAI_K3V2_PREFILL_KERNEL", "bool", True,
             "K3V2 prefill rows on CUDA through the Triton decode kernel; 0: the chunked torch route",
             "adapters/k3v2_attention.py"),

@@ -2,6 +2,8 @@
 interpreter (dp4a emulated there), and compiled with real PTX dp4a when a GPU is present.
 
 - prepare (one launch) gives the same planar bytes, group sums and scales as prepare_reference, bit for bit;
+- hadamard.rotate_dp4a (rotation and prep in one launch) gives prepare_reference of the rotated row, up to
+  the rotation's float32 rounding;
 - the GEMV equals the integer maths of gemv_reference and is close to the float32 layer (dequantize);
 - split-K ends deterministically: the same bits on every call (the tile counters reset themselves), for
   uneven slice counts too, and close to the unsplit result.
@@ -25,7 +27,8 @@ from bonsai_vllm.ternary.format import pack_ternary  # noqa: E402
 from bonsai_vllm.ternary.kernels import dp4a  # noqa: E402
 from bonsai_vllm.ternary.reference import dequantize  # noqa: E402
 
-_interpreter = interpreter_scope.module_fixture(["bonsai_vllm.ternary.kernels.dp4a"])
+# hadamard holds the rotation kernel that prepares for dp4a (and imports dp4a's group prep)
+_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.ternary.kernels.{m}" for m in ("dp4a", "hadamard")])
 
 DEV = "cuda" if GPU else "cpu"
 
@@ -52,6 +55,40 @@ def test_prepare_matches_its_reference_bit_for_bit(k):
     for name in ("xa", "xr", "gx", "gr"):
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
     assert torch.allclose(got.s.cpu(), want.s.cpu(), rtol=1e-6, atol=0)
+
+
+def _unplanar(p: torch.Tensor) -> torch.Tensor:
+    """[4, K/16] int32 planar bytes -> int8 values [K] in input order (Dp4aActivations' layout)."""
+    kw = p.shape[1]
+    return p.t().contiguous().view(torch.int8).view(kw, 4, 4).transpose(1, 2).reshape(-1)
+
+
+@pytest.mark.parametrize("k,block", [(3072, 1024), (1024, 256)])
+def test_rotate_dp4a_prepares_the_rotated_row(k, block):
+    from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a
+    from bonsai_vllm.ternary.reference import signed_block_hadamard
+
+    x = activation(k, seed=k + block)
+    signs = (torch.randint(0, 2, (k,), generator=torch.Generator().manual_seed(1)).float() * 2 - 1).to(DEV)
+    xr = signed_block_hadamard(x.float(), signs, block)  # float32 [K]
+    want = dp4a.prepare_reference(xr)
+    got = rotate_dp4a(x.view(1, k), signs, block)
+    x8, r8 = _unplanar(got.xa.cpu()), _unplanar(got.xr.cpu())
+    # The bytes are the reference's except where the rotation's float32 rounding moved an input across a
+    # rounding boundary of its int8 (x8 one step off, the residual then off by about 127 of its steps).
+    same = (x8 == _unplanar(want.xa.cpu())).float().mean().item()
+    assert same > 0.995, same
+    assert torch.allclose(got.s[0].cpu(), want.s[0].cpu(), rtol=1e-5, atol=0)  # s1: from the group's max
+    assert torch.allclose(got.s[1].cpu(), want.s[1].cpu(), rtol=0.05, atol=0)  # s2: the residual's, moved by those
+    # Whatever the bytes, they are consistent: the group sums are theirs, and they rebuild the rotated row
+    # to the residual's resolution.
+    assert torch.equal(got.gx.cpu(), x8.view(-1, 128).sum(1, dtype=torch.int32))
+    assert torch.equal(got.gr.cpu(), r8.view(-1, 128).sum(1, dtype=torch.int32))
+    s1, s2 = got.s.cpu()[0].repeat_interleave(128), got.s.cpu()[1].repeat_interleave(128)
+    rebuilt = s1 * x8.float() + s2 * r8.float()
+    assert (rebuilt - xr.cpu()).norm() / xr.norm() < 1e-4
+    with pytest.raises(ValueError, match="one row"):
+        rotate_dp4a(torch.stack([x, x]), signs, block)
 
 
 def test_gemv_equals_the_integer_maths_and_is_close_to_the_float_layer():

@@ -46,7 +46,7 @@ DEV = "cuda" if GPU else "cpu"
 BF16_TOL = 3e-3 if GPU else 6e-3  # relative Frobenius error of a bf16 output (see the module docstring)
 DOT_TOL = 5e-3 if GPU else 8e-3  # the GEMV's tensor-core path: bf16 x', weight × scale and output
 # the modules that hold @triton.jit functions
-_JIT_MODULES = [f"bonsai_vllm.ternary.kernels.{name}" for name in ("hadamard", "gemv", "int8mm")] + [
+_JIT_MODULES = [f"bonsai_vllm.ternary.kernels.{name}" for name in ("hadamard", "gemv", "int8mm", "dp4a")] + [
     "bonsai_vllm.comm.kernels", "benchmarks.gemv_variants"]
 
 
@@ -324,7 +324,7 @@ def test_int8_all_reduce_matches_core_on_every_rank():
 @pytest.mark.parametrize("m,w8", [(1, False), (2, True), (3, True), (5, False), (70, True)])
 def test_ternary_linear_dispatch_matches_reference(m, w8):
     packed, scales, signs = _layer(96, 2048, 40 + m)
-    tw = linear.prepare(packed, scales, signs, expand_int8=w8)
+    tw = linear.prepare(packed, scales, signs, expand_int8=w8, dp4a=False)  # dp4a: tests/core/test_dp4a.py
     x = _x(m, 2048, 50 + m)
     y = linear.ternary_linear(x, tw)
     ref = ternary_linear_ref(x, packed, scales, signs, 128, 1024)

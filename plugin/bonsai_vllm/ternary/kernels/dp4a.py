@@ -1,8 +1,8 @@
-"""The M = 1 decode GEMV on dp4a (issue 19's candidate), with its activation prep and deterministic split-K.
+"""The M = 1 decode GEMV on dp4a (issue 19), with its activation prep and deterministic split-K.
 
-Off by default: `kernels.linear.route` takes it for M = 1 only with BONSAI_DP4A_GEMV=1 (a route stays off
-until `make gpu-check` has passed it at the real shapes; its cases are there). `benchmarks/dp4a_gemv.py`
-checks and times it at the 27B's shapes.
+`kernels.linear.route` takes it for one-token rows by default (BONSAI_DP4A_GEMV=0: the fma GEMV); `make
+gpu-check` passed it at every real shape on the H200 (2026-12-01). `benchmarks/dp4a_gemv.py` checks and
+times it at the 27B's shapes.
 
 The served `fma` GEMV spends ~3.3 instructions per weight; here PTX `dp4a` does four weights at once:
 
@@ -132,17 +132,17 @@ if triton is not None:
         return tl.minimum(tl.maximum(tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5)), -127.0), 127.0)
 
     @triton.jit
-    def _prepare_kernel(x_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, K, GB: tl.constexpr, INV127: tl.constexpr):
-        # grid: cdiv(K / 128, GB). Program p prepares groups [p·GB, (p+1)·GB): x as [GB, 128], one scale pair each.
+    def _prepare_groups(x, g0, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, GB: tl.constexpr, INV127: tl.constexpr):
+        """Prepare groups [g0, g0 + GB) of the row from x float32 [GB, 128] (its inputs in natural order):
+        stores their bytes, sums and scales (see Dp4aActivations). Shared by _prepare_kernel and the rotation
+        kernel that prepares straight from its float32 result (hadamard._rotate_dp4a_kernel)."""
         G = K // 128
-        rg = tl.program_id(0) * GB + tl.arange(0, GB)
+        rg = g0 + tl.arange(0, GB)
         gmask = rg < G
-        ri = tl.arange(0, 128)
-        x = tl.load(x_ptr + rg[:, None] * 128 + ri[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
         # The same float32 operations as prepare_reference, so both agree bit for bit on any device: the
         # scale as a product with the float32 of 1/127 (torch on CUDA divides by a scalar that way), one
         # IEEE-rounded reciprocal per group (div_rn; Triton's default division is approximate), then
-        # products only, per input.
+        # products only, per input (the launch turns FMA contraction off: x − x8·s1 is rounded twice).
         s1 = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) * INV127  # [GB]
         x8 = _round_int8(x * tl.math.div_rn(tl.full([GB], 1.0, tl.float32), s1)[:, None])
         r = x - x8 * s1[:, None]
@@ -159,11 +159,19 @@ if triton is not None:
         shift = (tl.arange(0, 4) * 8)[None, :, None]
         p1 = tl.sum(tl.reshape(q1 & 0xFF, (WB, 4, 4)) << shift, axis=1)  # [WB, 4 (j)]
         p2 = tl.sum(tl.reshape(q2 & 0xFF, (WB, 4, 4)) << shift, axis=1)
-        rw = tl.program_id(0) * WB + tl.arange(0, WB)
+        rw = g0 * 8 + tl.arange(0, WB)
         offs = tl.arange(0, 4)[None, :] * (K // 16) + rw[:, None]
         wmask = (rw < K // 16)[:, None]
         tl.store(xa_ptr + offs, p1, mask=wmask)
         tl.store(xr_ptr + offs, p2, mask=wmask)
+
+    @triton.jit
+    def _prepare_kernel(x_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, K, GB: tl.constexpr, INV127: tl.constexpr):
+        # grid: cdiv(K / 128, GB). Program p prepares groups [p·GB, (p+1)·GB): x as [GB, 128], one scale pair each.
+        rg = tl.program_id(0) * GB + tl.arange(0, GB)
+        ri = tl.arange(0, 128)
+        x = tl.load(x_ptr + rg[:, None] * 128 + ri[None, :], mask=(rg < K // 128)[:, None], other=0.0)
+        _prepare_groups(x.to(tl.float32), tl.program_id(0) * GB, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, GB, INV127)
 
     @triton.jit
     def _gemv_kernel(w_ptr, sc_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, CHUNK,
@@ -215,6 +223,15 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call (CUDA-graph replays too)
 
 
+def empty_activations(k: int, device: torch.device | str) -> Dp4aActivations:
+    """Uninitialised buffers for one prepared row of K inputs."""
+    return Dp4aActivations(torch.empty(4, k // 16, dtype=torch.int32, device=device),
+                           torch.empty(4, k // 16, dtype=torch.int32, device=device),
+                           torch.empty(k // GROUP, dtype=torch.int32, device=device),
+                           torch.empty(k // GROUP, dtype=torch.int32, device=device),
+                           torch.empty(2, k // GROUP, dtype=torch.float32, device=device))
+
+
 def prepare(x: torch.Tensor, out: Dp4aActivations | None = None) -> Dp4aActivations:
     """x [K] or [1, K] (bf16/fp32, on the kernel's device) -> Dp4aActivations, one launch."""
     require()
@@ -222,13 +239,8 @@ def prepare(x: torch.Tensor, out: Dp4aActivations | None = None) -> Dp4aActivati
     k = x.numel()
     if k % GROUP:
         raise ValueError(f"dp4a.prepare: K = {k} is not a multiple of the scale group {GROUP}")
-    dev = x.device
     if out is None:
-        out = Dp4aActivations(torch.empty(4, k // 16, dtype=torch.int32, device=dev),
-                              torch.empty(4, k // 16, dtype=torch.int32, device=dev),
-                              torch.empty(k // GROUP, dtype=torch.int32, device=dev),
-                              torch.empty(k // GROUP, dtype=torch.int32, device=dev),
-                              torch.empty(2, k // GROUP, dtype=torch.float32, device=dev))
+        out = empty_activations(k, x.device)
     gb = 8  # groups per program: 1024 inputs
     _prepare_kernel[(triton.cdiv(k // GROUP, gb),)](x, out.xa, out.xr, out.gx, out.gr, out.s, k, GB=gb, INV127=INV127, num_warps=4,
                                                     # x − x8·s1 rounded twice, as torch does: no FMA

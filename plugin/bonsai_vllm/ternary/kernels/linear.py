@@ -7,8 +7,9 @@
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
   `ternary.reference` (the judge), so CPU serving keeps working;
-- M = 1 with BONSAI_DP4A_GEMV=1 (off by default, issue 19): rotation, then dp4a.prepare (int8 bytes of x and
-  its residual) and the dp4a GEMV (dp4a.py): three launches;
+- M = 1 (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a (int8 bytes
+  of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the dp4a GEMV
+  (dp4a.py), which stores y in x's dtype: two launches;
 - M <= `GEMV_MAX_M` (2; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
   reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches (three
   for gate_up at M = 1, whose split-K sums its partials in a second small launch);
@@ -187,13 +188,15 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         return _reference(x, tw, rotated, bias)
     if r.path == "dp4a":
         from bonsai_vllm.ternary.kernels import dp4a
-        from bonsai_vllm.ternary.kernels.hadamard import block_hadamard
+        from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a
 
-        xr = x2 if rotated else block_hadamard(x2, tw.signs, tw.block)
-        y = dp4a.gemv(dp4a.prepare(xr), tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device))  # fp32 [N]
+        # rotation and prep in one kernel (or the prep alone when x comes rotated); the GEMV stores y in
+        # x's dtype itself unless a bias is added after it in float32
+        act = dp4a.prepare(x2) if rotated else rotate_dp4a(x2, tw.signs, tw.block)
+        y = torch.empty(tw.out_features, dtype=x.dtype if bias is None else torch.float32, device=x.device)
+        dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [N]
         if bias is not None:
-            y = y + bias.float()
-        y = y.to(x.dtype)
+            y = (y + bias.float()).to(x.dtype)
     elif r.path == "gemv":
         from bonsai_vllm.ternary.kernels import gemv
         from bonsai_vllm.ternary.kernels.hadamard import block_hadamard, gemv_order
