@@ -41,7 +41,7 @@ PYTEST_ARGS ?=
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
 .PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui \
-	server upstream-key lan-server lan-server-remove bench-scale-out
+	server upstream-key lan-server lan-server-remove bench-scale-out mtp-collect mtp-extract mtp-train
 
 COMPOSE ?= docker compose
 
@@ -96,6 +96,29 @@ server: .env upstream-key ## on an extra GPU PC: model-fetch + vLLM only, publis
 # For a third PC, copy the same UPSTREAM_API_KEY into its .env before `make server`.
 upstream-key: .env
 	$(call random_secret,UPSTREAM_API_KEY,the model server's key; the main PC's .env needs the same)
+
+# Retraining the MTP head on your own traffic (docs/mtp.md): three steps on the GPU PC, services of the
+# compose profile mtp. PROMPTS: a JSONL file of {"messages": [...]} lines; KEY: a gateway key of low priority,
+# so chat users keep theirs while the answers are collected (make keys SOURCE=bench PRIORITY=10).
+mtp-collect: ## retrain MTP 1/3: the served model's answers to PROMPTS=file.jsonl, through the gateway (KEY=a bench key; stack up)
+	@test -f "$(PROMPTS)" -a -n "$(KEY)" || { echo "usage: make mtp-collect PROMPTS=prompts.jsonl KEY=<a gateway key: make keys SOURCE=bench PRIORITY=10>"; exit 2; }
+	$(COMPOSE) --profile mtp run --rm -v "$(abspath $(PROMPTS)):/mtp/prompts.jsonl:ro" mtp-train \
+		collect --url http://proxy:8080 --key "$(KEY)" --prompts /mtp/prompts.jsonl --out /mtp/answers.jsonl
+
+# vLLM has the GPUs: it stops while the extraction server runs, and starts again whatever extract did.
+mtp-extract: ## retrain MTP 2/3: stop vllm, serve with hidden-state extraction, extract each answer's states, start vllm again
+	$(COMPOSE) stop vllm
+	$(COMPOSE) --profile mtp up -d --wait mtp-extract
+	$(COMPOSE) --profile mtp run --rm mtp-train extract --url http://mtp-extract:8000 --answers /mtp/answers.jsonl \
+		--out /mtp/hidden; rc=$$?; $(COMPOSE) --profile mtp stop mtp-extract; $(COMPOSE) start vllm; exit $$rc
+
+# Training takes the GPUs too; a stopped run resumes from its checkpoint when started again.
+mtp-train: ## retrain MTP 3/3: train mtp.* on the GPUs (vllm stopped meanwhile) into /models/mtp-head [TRAIN_ARGS=--steps 600]
+	$(COMPOSE) stop vllm
+	$(COMPOSE) --profile mtp run --rm mtp-train train --hidden /mtp/hidden \
+		--out /models/mtp-head/mtp.safetensors $(TRAIN_ARGS); rc=$$?; \
+	if [ $$rc -eq 0 ]; then echo ">> head written. To serve it: BONSAI_MTP_REPO=/models/mtp-head in .env, then make up"; \
+	else $(COMPOSE) start vllm; fi; exit $$rc
 
 # With the monitoring profile named, `down` also stops Prometheus and Grafana if they run.
 down: ## stop the stack, monitoring included (volumes and the downloaded model are kept)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import urllib.error
@@ -112,6 +113,10 @@ def extract(url: str, answers: Path, out: Path, model: str, key: str | None = No
     return n
 
 
+# bonsai-serve's SERVED_MODEL_NAME (compose hands it to the mtp services), else its default
+SERVED_NAME = os.environ.get("SERVED_MODEL_NAME") or "bonsai-27b"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bonsai-mtp-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--key", help="API key (a benchmark key at the gateway)")
     c.add_argument("--prompts", type=Path, required=True, help="JSONL, one {\"messages\": [...]} per line")
     c.add_argument("--out", type=Path, required=True, help="answers JSONL (token ids)")
-    c.add_argument("--model", default="bonsai", help="served model name [bonsai]")
+    c.add_argument("--model", default=SERVED_NAME, help=f"served model name [{SERVED_NAME}]")
     c.add_argument("--max-tokens", type=int, default=256)
     a = sub.add_parser("server-args", help="print the vLLM flags of the extraction server")
     a.add_argument("--model", type=Path, required=True, help="the model folder (its config gives the layer id)")
@@ -130,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--url", required=True)
     e.add_argument("--answers", type=Path, required=True)
     e.add_argument("--out", type=Path, required=True)
-    e.add_argument("--model", default="bonsai")
+    e.add_argument("--model", default=SERVED_NAME, help=f"served model name [{SERVED_NAME}]")
     t = sub.add_parser("train", help="train mtp.* and write mtp.safetensors")
-    t.add_argument("--model", type=Path, required=True, help="the served checkpoint's folder (read only)")
+    t.add_argument("--model", type=Path, default=os.environ.get("MODEL_DIR") or None,
+                   required=not os.environ.get("MODEL_DIR"),
+                   help="the served checkpoint's folder (read only) [$MODEL_DIR]")
     t.add_argument("--hidden", type=Path, required=True, help="the folder `extract` filled")
     t.add_argument("--out", type=Path, required=True, help="mtp.safetensors to write (not in the model folder)")
     t.add_argument("--checkpoint", type=Path, help="resumable training state [<out>.ckpt]")
