@@ -34,6 +34,9 @@ from bonsai_vllm.ternary.reference import dequantize, signed_block_hadamard
 
 CONFIGS = [Dp4aConfig(bn, bw, w, s, sp) for bn in (4, 8, 16, 32) for bw in (16, 32) for w in (1, 2, 4) for s in (2, 3)
            for sp in (1, 2, 4, 8) if 64 <= bn * bw <= 1024]
+# Several rows per call (M = 2 is one user's decode step with MTP on: the token and its draft).
+MULTI_ROWS = [2, 3, 4]
+ROW_CONFIGS = [Dp4aConfig(bn, 32, w, 2, sp) for bn in (8, 16, 32) for w in (1, 2, 4) for sp in (2, 4, 8)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     from bonsai_vllm.ternary.kernels import linear
+
+    # the served call with the dp4a route up to the most rows the kernel takes, whatever the dispatch's
+    # threshold is today: the table below is what sets it
+    linear.DP4A_MAX_M = dp4a.MAX_ROWS
+    multi: list[dict] = []
 
     dev = "cuda"
     bw = bk.copy_bandwidth()
@@ -108,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         bk.say(f"  {name:8s} dp4a {timed[best]:6.2f} µs ({100 * floor / timed[best]:.0f}% of copy bw, {best}, "
                f"err {err:.1e}), with prep {t_both:6.2f}  served dp4a {t_served_dp4a:6.2f}  "
                f"fma {t_served:6.2f} ({100 * floor / t_served:.0f}%)  bf16 {t_bf16:6.2f}")
+        for m in MULTI_ROWS:
+            multi.append(bench_rows(name, k, n, m, rotated, signs, w_ref, tern, tws, tws_dp4a, dense, ws, copies,
+                                    floor, failures, linear))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dp4a-gemv.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
@@ -120,10 +131,53 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['served_us'] / r['served_dp4a_us']:.2f} | {100 * r['floor_us'] / r['served_dp4a_us']:.0f} | "
                      f"{r['bf16_us']:.2f} | {r['bf16_us'] / r['served_dp4a_us']:.2f} | {r['err']:.1e}; {r['served_err']:.1e} | "
                      f"{Dp4aConfig(**r['config'])} | {r['served_dp4a_config']} |")
+    lines += ["", "| layer | M | dp4a GEMV µs (best config) | served dp4a µs | served today µs | × today | "
+              "bf16 µs | × bf16 (served dp4a) | % of copy bw (served dp4a) | error vs float32 (served, bf16 out) | "
+              "best config | default config | today's route |", "|" + "---|" * 13]
+    for r in multi:
+        lines.append(f"| {r['layer']} | {r['M']} | {r['gemv_us']:.2f} | {r['served_dp4a_us']:.2f} | "
+                     f"{r['today_us']:.2f} | {r['today_us'] / r['served_dp4a_us']:.2f} | {r['bf16_us']:.2f} | "
+                     f"{r['bf16_us'] / r['served_dp4a_us']:.2f} | {100 * r['floor_us'] / r['served_dp4a_us']:.0f} | "
+                     f"{r['err']:.1e} | {r['best']} | {r['default']} | {r['today_route']} |")
+    (out / "dp4a-gemv.json").write_text(json.dumps({"rows": rows, "multi": multi, "failures": failures}, indent=1))
     (out / "dp4a-gemv.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print("\n## check failures\n" + ("\n".join(failures) if failures else "none"))
     return 1 if failures else 0
+
+
+def bench_rows(name, k, n, m, rotated, signs, w_ref, tern, tws, tws_dp4a, dense, ws, copies, floor, failures,
+               linear) -> dict:
+    """M rows: the GEMV over ROW_CONFIGS (checked first), then the served call with the dp4a route (default
+    config) against today's route for M rows (BONSAI_DP4A_GEMV=0's) and bf16 cuBLAS."""
+    dev = "cuda"
+    x = bk.randn(m, k, device=dev, seed=20 + m)
+    act = dp4a.prepare(x)  # the GEMV alone: x taken as rotated
+    want = x.float() @ w_ref.t()
+    ok = []
+    for cfg in ROW_CONFIGS:
+        y = dp4a.gemv(act, tern[0][0], tern[0][1], cfg, ws, out=torch.full((m, n), float("nan"), device=dev))
+        err = bk.rel(y, want)
+        if torch.isfinite(y).all() and err < 3e-3:
+            ok.append(cfg)
+        else:
+            failures.append(f"{name} M={m} {cfg}: {err:.2e}")
+    timed = {cfg: bk.time_graph(lambda i: dp4a.gemv(act, tern[i][0], tern[i][1], cfg, ws), copies, bk.calls_for(15))
+             for cfg in ok}
+    best = min(timed, key=timed.get) if timed else None
+    xr = x.float() if rotated else signed_block_hadamard(x.float(), signs, 1024)
+    y = linear.ternary_linear(x, tws_dp4a[0], rotated=rotated).float()
+    err = bk.rel(y, xr @ w_ref.t())
+    if not (torch.isfinite(y).all() and err < 8e-3):
+        failures.append(f"{name} M={m} served dp4a route: {err:.2e}")
+    t_dp4a = bk.time_graph(lambda i: linear.ternary_linear(x, tws_dp4a[i], rotated=rotated), copies, bk.calls_for(20))
+    t_today = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=rotated), copies, bk.calls_for(30))
+    t_bf16 = bk.time_graph(lambda i: F.linear(x, dense[i]), len(dense), bk.calls_for(30))
+    bk.say(f"  {name:8s} M={m} dp4a GEMV {timed.get(best, float('nan')):6.2f} µs ({best}), served dp4a "
+           f"{t_dp4a:6.2f} ({linear.route(m, tws_dp4a[0])}), today {t_today:6.2f}, bf16 {t_bf16:6.2f}, err {err:.1e}")
+    return dict(layer=name, M=m, gemv_us=timed.get(best, float("nan")), best=str(best), served_dp4a_us=t_dp4a,
+                default=str(linear.route(m, tws_dp4a[0]).config), today_us=t_today,
+                today_route=str(linear.route(m, tws[0])), bf16_us=t_bf16, err=err, floor_us=floor)
 
 
 if __name__ == "__main__":

@@ -196,17 +196,21 @@ def drive_kv() -> None:
 
 
 def drive_dp4a() -> None:
-    """Issue 19's M = 1 GEMV (ternary.kernels.dp4a; drive_ternary reaches it at the default config): its prep
-    and its GEMV with inline PTX dp4a, other tiles, one and several K slices, at every layer's shape."""
+    """Issue 19's decode GEMV (ternary.kernels.dp4a; drive_ternary reaches it at the default config): its prep
+    and its GEMV with inline PTX dp4a, other tiles, one and several K slices, at every layer's shape; and
+    every row count the kernel takes (1 to MAX_ROWS) at its default configuration."""
     from bonsai_vllm.ternary.kernels import dp4a
 
     g = torch.Generator().manual_seed(0)
     for name, (k, n) in LAYERS.items():
-        act = dp4a.prepare(torch.randn(k, generator=g).bfloat16())
         packed = torch.randint(-2**31, 2**31 - 1, (n, k // 16), generator=g, dtype=torch.int32)
         scales = torch.rand(n, k // 128, generator=g).half() + 0.01
+        act = dp4a.prepare(torch.randn(k, generator=g).bfloat16())
         for cfg in (dp4a.Dp4aConfig(bn=16, bw=32, warps=4, stages=2), dp4a.Dp4aConfig(bn=8, bw=16, warps=2, stages=3, split=4)):
             dp4a.gemv(act, packed, scales, cfg, dp4a.Dp4aWorkspace("cpu"))
+        for rows in range(2, dp4a.MAX_ROWS + 1):
+            act = dp4a.prepare(torch.randn(rows, k, generator=g).bfloat16())
+            dp4a.gemv(act, packed, scales, dp4a.default_config(n, k, rows), dp4a.Dp4aWorkspace("cpu"))
 
 
 DRIVERS = {"ternary": drive_ternary, "allreduce": drive_allreduce, "kv": drive_kv, "dp4a": drive_dp4a}

@@ -1,20 +1,21 @@
-"""The M = 1 decode GEMV on dp4a (issue 19), with its activation prep and deterministic split-K.
+"""The decode GEMV on dp4a for 1 to MAX_ROWS rows (issue 19), with its activation prep and deterministic split-K.
 
-`kernels.linear.route` takes it for one-token rows by default (BONSAI_DP4A_GEMV=0: the fma GEMV); `make
-gpu-check` passed it at every real shape on the H200 (2026-12-01). `benchmarks/dp4a_gemv.py` checks and
-times it at the 27B's shapes.
+`kernels.linear.route` takes it for M <= linear.DP4A_MAX_M rows by default (BONSAI_DP4A_GEMV=0: the fma
+GEMV); `make gpu-check` checks it at every real shape. `benchmarks/dp4a_gemv.py` checks and times it at the
+27B's shapes. Two rows are what one user's decode step is with MTP on (the token and its draft).
 
 The served `fma` GEMV spends ~3.3 instructions per weight; here PTX `dp4a` does four weights at once:
 
 - the codes of a word (code i at bits 2i, u = value + 1 in {0, 1, 2}) split into four int32 lanes by
   `(word >> 2j) & 0x03030303`: byte b of lane j is the code of input 16w + 4b + j;
-- the activation row is prepared once per call in the same order (`prepare`): per group g of 128 inputs,
+- each activation row is prepared once per call in the same order (`prepare`): per group g of 128 inputs,
   x ≈ s1[g]·x8 + s2[g]·r8, x8 the int8 of x and r8 the int8 of what x8 missed (the residual's second dp4a
   keeps the error far under bf16's), each stored as planar int32 [4, K/16] (lane j, word w: four bytes), plus
   per-group sums X1, X2 of x8, r8 and the scales, all on the device (no host sync: CUDA-graph safe). Scales
   per group, not per row: no reduction across the row, so the prep runs on K/1024 programs at once (one
   program over the whole row cost 3–6 µs on the H200, as much as the GEMV gains);
-- per word two chains of four dp4a give Σ u·x8 and Σ u·r8; per group of 128 the value sum is Σ u·x − Σ x:
+- per word and row two chains of four dp4a give Σ u·x8 and Σ u·r8 (the lanes of a word are made once for
+  all rows); per group of 128 the value sum is Σ u·x − Σ x:
       y[n] = Σ_g scale[n, g] · (s1[g] (T1[n, g] − X1[g]) + s2[g] (T2[n, g] − X2[g]))      in float32;
 - split-K (several programs per row tile, for the small-N layers) ends deterministically: each program
   writes its partial sum, and the last one to arrive for a tile (a per-tile counter) adds the partials in
@@ -40,13 +41,17 @@ INV127 = 1.0 / 127  # int8 scale = max |x| · INV127, in float32 on both sides
 
 @dataclass(frozen=True)
 class Dp4aActivations:
-    """One prepared activation row (K inputs)."""
+    """M prepared activation rows of K inputs each."""
 
-    xa: torch.Tensor  # int32 [4, K/16]: lane j, word w = bytes x8[16w + 4b + j], b = 0..3
-    xr: torch.Tensor  # int32 [4, K/16]: the same for r8
-    gx: torch.Tensor  # int32 [K/128]: Σ x8 per group
-    gr: torch.Tensor  # int32 [K/128]: Σ r8 per group
-    s: torch.Tensor  # float32 [2, K/128]: s1, s2 per group
+    xa: torch.Tensor  # int32 [M, 4, K/16]: row m, lane j, word w = bytes x8[m, 16w + 4b + j], b = 0..3
+    xr: torch.Tensor  # int32 [M, 4, K/16]: the same for r8
+    gx: torch.Tensor  # int32 [M, K/128]: Σ x8 per group
+    gr: torch.Tensor  # int32 [M, K/128]: Σ r8 per group
+    s: torch.Tensor  # float32 [M, 2, K/128]: s1, s2 per group
+
+    @property
+    def rows(self) -> int:
+        return self.xa.shape[0]
 
 
 @dataclass(frozen=True)
@@ -61,13 +66,19 @@ class Dp4aConfig:
         return f"bn={self.bn} bw={self.bw} warps={self.warps} stages={self.stages} split={self.split}"
 
 
-def default_config(n: int, k: int) -> Dp4aConfig | None:
-    """The configuration for a layer of N outputs and K inputs, None where the kernel does not apply. From
-    the H200 sweep of benchmarks/dp4a_gemv.py (docs/benchmarks.md): BN = BW = 32, two warps at every shape;
-    four K slices for the wide layers, eight for the 5120-row ones (stages 2 and 3 within run spread)."""
-    if k % GROUP or (k // 16) % 32:
+# Rows one GEMV call takes (the codes of a word are split into lanes once, then each row's dp4a chains
+# run on them); kernels.linear.DP4A_MAX_M says up to which M the route takes it.
+MAX_ROWS = 4
+
+
+def default_config(n: int, k: int, rows: int = 1) -> Dp4aConfig | None:
+    """The configuration for `rows` rows through a layer of N outputs and K inputs, None where the kernel
+    does not apply. One row, from the H200 sweep of benchmarks/dp4a_gemv.py (docs/benchmarks.md): BN = BW =
+    32, two warps at every shape; four K slices for the wide layers, eight for the 5120-row ones (stages 2
+    and 3 within run spread). More rows hold rows × BN × BW partial sums: BN halves from three rows."""
+    if k % GROUP or (k // 16) % 32 or not 1 <= rows <= MAX_ROWS:
         return None
-    return Dp4aConfig(bn=32, bw=32, warps=2, stages=2, split=4 if n > 6144 else 8)
+    return Dp4aConfig(bn=32 if rows <= 2 else 16, bw=32, warps=2, stages=2, split=4 if n > 6144 else 8)
 
 
 def _round(v: torch.Tensor) -> torch.Tensor:
@@ -76,8 +87,15 @@ def _round(v: torch.Tensor) -> torch.Tensor:
 
 
 def prepare_reference(x: torch.Tensor) -> Dp4aActivations:
-    """x [K] or [1, K] (float) -> Dp4aActivations, in torch."""
-    x = x.reshape(-1).float()
+    """x [K] or [M, K] (float) -> Dp4aActivations, in torch."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = [_prepare_row_reference(row) for row in x2]
+    return Dp4aActivations(*(torch.stack([getattr(r, f) for r in rows]) for f in ("xa", "xr", "gx", "gr", "s")))
+
+
+def _prepare_row_reference(x: torch.Tensor) -> Dp4aActivations:
+    """One row x [K] -> its tensors without the rows dimension ([4, K/16], [K/128], [2, K/128])."""
+    x = x.float()
     k = x.numel()
     xg = x.view(-1, GROUP)  # [G, 128]
     s1 = xg.abs().amax(1, keepdim=True).clamp_min(1e-30) * INV127
@@ -96,7 +114,12 @@ def prepare_reference(x: torch.Tensor) -> Dp4aActivations:
 
 
 def gemv_reference(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The kernel's maths in torch: packed int32 [N, K/16], scales [N, K/128] -> y float32 [N]."""
+    """The kernel's maths in torch: packed int32 [N, K/16], scales [N, K/128] -> y float32 [M, N]."""
+    return torch.stack([_gemv_row_reference(act.xa[m], act.xr[m], act.gx[m], act.gr[m], act.s[m], packed, scales)
+                        for m in range(act.rows)])
+
+
+def _gemv_row_reference(xa, xr, gx, gr, sg, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     n, kw = packed.shape
     shifts = torch.arange(16, device=packed.device, dtype=torch.int32) * 2
     u = ((packed.unsqueeze(-1) >> shifts) & 3).reshape(n, kw * 16).to(torch.int64)  # [N, K] codes, k = 16w + i
@@ -105,11 +128,11 @@ def gemv_reference(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Ten
         b = p.t().contiguous().view(torch.int8).view(kw, 4, 4).transpose(1, 2)  # [w, b, j]
         return b.reshape(-1).to(torch.int64)
 
-    x8, r8 = unplanar(act.xa), unplanar(act.xr)
+    x8, r8 = unplanar(xa), unplanar(xr)
     t1 = (u * x8).view(n, -1, GROUP).sum(-1)  # [N, G]
     t2 = (u * r8).view(n, -1, GROUP).sum(-1)
-    s1, s2 = act.s[0], act.s[1]  # [G]
-    v = s1 * (t1 - act.gx.to(torch.int64)).float() + s2 * (t2 - act.gr.to(torch.int64)).float()
+    s1, s2 = sg[0], sg[1]  # [G]
+    v = s1 * (t1 - gx.to(torch.int64)).float() + s2 * (t2 - gr.to(torch.int64)).float()
     return (scales.float() * v).sum(-1)
 
 
@@ -166,18 +189,31 @@ if triton is not None:
         tl.store(xr_ptr + offs, p2, mask=wmask)
 
     @triton.jit
-    def _prepare_kernel(x_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, K, GB: tl.constexpr, INV127: tl.constexpr):
-        # grid: cdiv(K / 128, GB). Program p prepares groups [p·GB, (p+1)·GB): x as [GB, 128], one scale pair each.
+    def _prepare_kernel(x_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, K, stride_x, GB: tl.constexpr,
+                        INV127: tl.constexpr):
+        # grid: (cdiv(K / 128, GB), M). Program (p, m) prepares groups [p·GB, (p+1)·GB) of row m: x as [GB, 128],
+        # one scale pair each.
+        m = tl.program_id(1)
         rg = tl.program_id(0) * GB + tl.arange(0, GB)
         ri = tl.arange(0, 128)
-        x = tl.load(x_ptr + rg[:, None] * 128 + ri[None, :], mask=(rg < K // 128)[:, None], other=0.0)
-        _prepare_groups(x.to(tl.float32), tl.program_id(0) * GB, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, GB, INV127)
+        x = tl.load(x_ptr + m * stride_x + rg[:, None] * 128 + ri[None, :], mask=(rg < K // 128)[:, None], other=0.0)
+        xa, xr, gx, gr, sc = _row_ptrs(m, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr)
+        _prepare_groups(x.to(tl.float32), tl.program_id(0) * GB, K, xa, xr, gx, gr, sc, GB, INV127)
+
+    @triton.jit
+    def _row_ptrs(m, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr):
+        """Row m's part of the activations (Dp4aActivations' layout)."""
+        return (xa_ptr + m * (K // 4), xr_ptr + m * (K // 4), gx_ptr + m * (K // 128), gr_ptr + m * (K // 128),
+                s_ptr + m * (K // 64))
 
     @triton.jit
     def _gemv_kernel(w_ptr, sc_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, CHUNK,
-                     SPLITS, BN: tl.constexpr, BW: tl.constexpr, USE_ASM: tl.constexpr):
-        # grid: (cdiv(N, BN), SPLITS). Program (t, s) walks words [s·CHUNK, (s+1)·CHUNK) of K for BN rows, BW
-        # words (BW / 8 groups) per step.
+                     SPLITS, stride_y, ROWS: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+                     USE_ASM: tl.constexpr):
+        # grid: (cdiv(N, BN), SPLITS). Program (t, s) walks words [s·CHUNK, (s+1)·CHUNK) of K for BN outputs and
+        # all ROWS rows, BW words (BW / 8 groups) per step: a word's codes are split into lanes once, then
+        # every row's two dp4a chains run on them. RP: ROWS rounded up to a power of two (Triton's tile
+        # sizes); the padding rows read zeros and are never stored.
         G8: tl.constexpr = BW // 8
         tile = tl.program_id(0)
         part = tl.program_id(1)
@@ -185,8 +221,10 @@ if triton is not None:
         nmask = rn < N
         rw = tl.arange(0, BW)
         rg = tl.arange(0, G8)
-        acc = tl.zeros([BN], dtype=tl.float32)
-        zero = tl.zeros([BN, BW], dtype=tl.int32)
+        rr = tl.arange(0, RP)
+        rmask = rr < ROWS
+        acc = tl.zeros([RP, BN], dtype=tl.float32)
+        zero = tl.zeros([RP, BN, BW], dtype=tl.int32)
         G = KW // 8
         k0 = part * CHUNK
         for w0 in range(k0, min(k0 + CHUNK, KW), BW):
@@ -194,57 +232,68 @@ if triton is not None:
             t1 = zero
             t2 = zero
             for j in tl.static_range(4):
-                c = (p >> (2 * j)) & 0x03030303
-                xa = tl.load(xa_ptr + j * KW + w0 + rw)[None, :]
-                xr = tl.load(xr_ptr + j * KW + w0 + rw)[None, :]
+                c = tl.broadcast_to(((p >> (2 * j)) & 0x03030303)[None, :, :], (RP, BN, BW))
+                lane = rr[:, None] * (4 * KW) + j * KW + w0 + rw[None, :]  # [RP, BW]
+                xa = tl.broadcast_to(tl.load(xa_ptr + lane, mask=rmask[:, None], other=0)[:, None, :], (RP, BN, BW))
+                xr = tl.broadcast_to(tl.load(xr_ptr + lane, mask=rmask[:, None], other=0)[:, None, :], (RP, BN, BW))
                 t1 = _dp4a(c, xa, t1, USE_ASM)
                 t2 = _dp4a(c, xr, t2, USE_ASM)
             g0 = w0 // 8
-            T1 = tl.sum(tl.reshape(t1, (BN, G8, 8)), axis=2)  # [BN, G8] Σ u·x8 per group
-            T2 = tl.sum(tl.reshape(t2, (BN, G8, 8)), axis=2)
-            X1 = tl.load(gx_ptr + g0 + rg)[None, :]
-            X2 = tl.load(gr_ptr + g0 + rg)[None, :]
-            s1 = tl.load(s_ptr + g0 + rg)[None, :]
-            s2 = tl.load(s_ptr + G + g0 + rg)[None, :]
+            T1 = tl.sum(tl.reshape(t1, (RP, BN, G8, 8)), axis=3)  # [RP, BN, G8] Σ u·x8 per group
+            T2 = tl.sum(tl.reshape(t2, (RP, BN, G8, 8)), axis=3)
+            gmask = rmask[:, None, None]
+            grp = (rr[:, None] * G + g0 + rg[None, :])[:, None, :]  # [RP, 1, G8]
+            X1 = tl.load(gx_ptr + grp, mask=gmask, other=0)
+            X2 = tl.load(gr_ptr + grp, mask=gmask, other=0)
+            sgrp = (rr[:, None] * (2 * G) + g0 + rg[None, :])[:, None, :]
+            s1 = tl.load(s_ptr + sgrp, mask=gmask, other=0.0)
+            s2 = tl.load(s_ptr + G + sgrp, mask=gmask, other=0.0)
             sc = tl.load(sc_ptr + rn[:, None] * G + g0 + rg[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
             v = s1 * (T1 - X1).to(tl.float32) + s2 * (T2 - X2).to(tl.float32)
-            acc += tl.sum(sc * v, axis=1)
+            acc += tl.sum(sc[None, :, :] * v, axis=2)
+        out = rr[:, None] * stride_y + rn[None, :]
+        omask = nmask[None, :] & rmask[:, None]
         if SPLITS == 1:
-            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+            tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)
         else:
-            tl.store(ws_ptr + part * N + rn, acc, mask=nmask)
+            mine = part * (ROWS * N) + rr[:, None] * N + rn[None, :]
+            tl.store(ws_ptr + mine, acc, mask=omask)
             tl.debug_barrier()  # every thread's partial is written before the program announces it
             arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if arrived == SPLITS - 1:  # the last slice of this tile: add them all, in slice order
-                total = tl.zeros([BN], dtype=tl.float32)
-                for s in range(0, SPLITS):
-                    total += tl.load(ws_ptr + s * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=nmask)
+                total = tl.zeros([RP, BN], dtype=tl.float32)
+                for sl in range(0, SPLITS):
+                    total += tl.load(ws_ptr + sl * (ROWS * N) + rr[:, None] * N + rn[None, :], mask=omask,
+                                     other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + out, total.to(y_ptr.dtype.element_ty), mask=omask)
                 tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call (CUDA-graph replays too)
 
 
-def empty_activations(k: int, device: torch.device | str) -> Dp4aActivations:
-    """Uninitialised buffers for one prepared row of K inputs."""
-    return Dp4aActivations(torch.empty(4, k // 16, dtype=torch.int32, device=device),
-                           torch.empty(4, k // 16, dtype=torch.int32, device=device),
-                           torch.empty(k // GROUP, dtype=torch.int32, device=device),
-                           torch.empty(k // GROUP, dtype=torch.int32, device=device),
-                           torch.empty(2, k // GROUP, dtype=torch.float32, device=device))
+def empty_activations(k: int, device: torch.device | str, rows: int = 1) -> Dp4aActivations:
+    """Uninitialised buffers for `rows` prepared rows of K inputs."""
+    return Dp4aActivations(torch.empty(rows, 4, k // 16, dtype=torch.int32, device=device),
+                           torch.empty(rows, 4, k // 16, dtype=torch.int32, device=device),
+                           torch.empty(rows, k // GROUP, dtype=torch.int32, device=device),
+                           torch.empty(rows, k // GROUP, dtype=torch.int32, device=device),
+                           torch.empty(rows, 2, k // GROUP, dtype=torch.float32, device=device))
 
 
 def prepare(x: torch.Tensor, out: Dp4aActivations | None = None) -> Dp4aActivations:
-    """x [K] or [1, K] (bf16/fp32, on the kernel's device) -> Dp4aActivations, one launch."""
+    """x [K] or [M, K] (bf16/fp32, on the kernel's device) -> Dp4aActivations of M rows, one launch."""
     require()
-    x = x.reshape(-1)
-    k = x.numel()
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
     if k % GROUP:
         raise ValueError(f"dp4a.prepare: K = {k} is not a multiple of the scale group {GROUP}")
     if out is None:
-        out = empty_activations(k, x.device)
+        out = empty_activations(k, x.device, m)
     gb = 8  # groups per program: 1024 inputs
-    _prepare_kernel[(triton.cdiv(k // GROUP, gb),)](x, out.xa, out.xr, out.gx, out.gr, out.s, k, GB=gb, INV127=INV127, num_warps=4,
-                                                    # x − x8·s1 rounded twice, as torch does: no FMA
-                                                    enable_fp_fusion=False)
+    _prepare_kernel[(triton.cdiv(k // GROUP, gb), m)](x2, out.xa, out.xr, out.gx, out.gr, out.s, k, x2.stride(0),
+                                                      GB=gb, INV127=INV127, num_warps=4,
+                                                      # x − x8·s1 rounded twice, as torch does: no FMA
+                                                      enable_fp_fusion=False)
     return out
 
 
@@ -280,25 +329,30 @@ def _slices(kw: int, config: Dp4aConfig) -> tuple[int, int]:
     return chunk, triton.cdiv(kw, chunk)
 
 
-def reserve(device: torch.device | str, n: int, config: Dp4aConfig, kw: int) -> None:
-    """Grow the shared workspace for a layer at load time, so that no call (nor a CUDA-graph capture)
-    allocates it."""
+def reserve(device: torch.device | str, n: int, config: Dp4aConfig, kw: int, rows: int = 1) -> None:
+    """Grow the shared workspace for a layer's calls of up to `rows` rows at load time, so that no call (nor
+    a CUDA-graph capture) allocates it."""
     _, splits = _slices(kw, config)
-    shared_workspace(device).get(splits * n, triton.cdiv(n, config.bn))
+    shared_workspace(device).get(splits * rows * n, triton.cdiv(n, config.bn))
 
 
 def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: Dp4aConfig,
          workspace: Dp4aWorkspace, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [N] (float32) = the ternary layer (packed int32 [N, K/16], scales [N, K/128]) applied to `act`."""
+    """y [M, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales
+    [N, K/128]) applied to the M rows of `act`; `out` may be any [M, N] view with unit stride along N."""
     require()
     n, kw = packed.shape
+    rows = act.rows
     if kw % config.bw:
         raise ValueError(f"dp4a.gemv: K/16 = {kw} is not a multiple of BW = {config.bw}")
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"dp4a.gemv: {rows} rows; the kernel takes 1 to {MAX_ROWS}")
     chunk, splits = _slices(kw, config)
     tiles = triton.cdiv(n, config.bn)
-    y = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out
-    partials, counters = workspace.get(splits * n if splits > 1 else 1, tiles)
+    y = torch.empty(rows, n, dtype=torch.float32, device=packed.device) if out is None else out.view(rows, n)
+    partials, counters = workspace.get(splits * rows * n if splits > 1 else 1, tiles)
     _gemv_kernel[(tiles, splits)](packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters,
-                                  n, kw, chunk, splits, BN=config.bn, BW=config.bw, USE_ASM=not interpreting(),
-                                  num_warps=config.warps, num_stages=config.stages)
+                                  n, kw, chunk, splits, y.stride(0), ROWS=rows, RP=triton.next_power_of_2(rows),
+                                  BN=config.bn, BW=config.bw,
+                                  USE_ASM=not interpreting(), num_warps=config.warps, num_stages=config.stages)
     return y

@@ -16,8 +16,8 @@ the same way; 512 is what a TP=2 rank rotates of down_proj's cut block (ternary/
 Memory-bound: each element is read once and written once (the int8 path reads x twice, the second time
 from L2, to quantize with the row's amax without keeping the row in registers).
 
-`rotate_dp4a` rotates one row and prepares it for the dp4a GEMV (dp4a.py) in the same kernel, from the
-float32 rotation result: one launch and no x' round trip in place of rotation + dp4a.prepare.
+`rotate_dp4a` rotates decode rows and prepares them for the dp4a GEMV (dp4a.py) in the same kernel, from
+the float32 rotation result: one launch and no x' round trip in place of rotation + dp4a.prepare.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _FACTORS = {256: (16, 16), 512: (16, 32), 1024: (32, 32)}
 _TILES = {**_FACTORS, 128: (8, 16)}
 
 if triton is not None:
-    from bonsai_vllm.ternary.kernels.dp4a import _prepare_groups  # the dp4a prep of a block's groups
+    from bonsai_vllm.ternary.kernels.dp4a import _prepare_groups, _row_ptrs  # the dp4a prep of a block's groups
 
     @triton.jit
     def _sylvester(N: tl.constexpr, DT: tl.constexpr):
@@ -117,15 +117,18 @@ if triton is not None:
 
 
     @triton.jit
-    def _rotate_dp4a_kernel(x_ptr, s_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, sc_ptr, K, norm, B1: tl.constexpr,
-                            B2: tl.constexpr, SPLIT_X: tl.constexpr, DT: tl.constexpr, INV127: tl.constexpr):
-        # grid: (K / (B1·B2),). One row (M = 1); program t rotates block t and prepares its groups of 128.
+    def _rotate_dp4a_kernel(x_ptr, s_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, sc_ptr, K, stride_x, norm,
+                            B1: tl.constexpr, B2: tl.constexpr, SPLIT_X: tl.constexpr, DT: tl.constexpr,
+                            INV127: tl.constexpr):
+        # grid: (K / (B1·B2), M). Program (t, m) rotates block t of row m and prepares its groups of 128.
         TILE: tl.constexpr = B1 * B2
         t = tl.program_id(0)
+        m = tl.program_id(1)
         row = tl.arange(0, 1)
-        y = _tile(x_ptr, s_ptr, row, row < 1, t * TILE, 0, norm, 1, B1, B2, True, SPLIT_X, DT)  # [1, B1, B2]
-        _prepare_groups(tl.reshape(y, (TILE // 128, 128)), t * (TILE // 128), K, xa_ptr, xr_ptr, gx_ptr, gr_ptr,
-                        sc_ptr, TILE // 128, INV127)
+        y = _tile(x_ptr + m * stride_x, s_ptr, row, row < 1, t * TILE, 0, norm, 1, B1, B2, True, SPLIT_X, DT)
+        xa, xr, gx, gr, sc = _row_ptrs(m, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, sc_ptr)
+        _prepare_groups(tl.reshape(y, (TILE // 128, 128)), t * (TILE // 128), K, xa, xr, gx, gr, sc,
+                        TILE // 128, INV127)  # y [1, B1, B2] as the block's groups
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -199,7 +202,7 @@ def _launch(x, signs, b1, b2, order, dtype, out, bm, num_warps):
 
 
 def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=None):
-    """One row x [K] or [1, K] -> dp4a.Dp4aActivations of H(s ⊙ x) per `block`, one launch (M = 1 decode).
+    """Rows x [K] or [M, K] -> dp4a.Dp4aActivations of H(s ⊙ x) per `block`, one launch (the decode rows).
 
     Equals dp4a.prepare_reference(signed_block_hadamard(x, signs, block)) up to the rotation's float32
     rounding (an input on a rounding boundary of its int8 may land one step over)."""
@@ -207,15 +210,13 @@ def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=
 
     require()
     x2 = _rows(x)
-    if x2.shape[0] != 1:
-        raise ValueError(f"rotate_dp4a: one row only, got {x2.shape[0]}")
     _check(x2, signs, block)
-    k = x2.shape[1]
+    m, k = x2.shape
     b1, b2 = _FACTORS[block]
-    act = dp4a.empty_activations(k, x.device) if out is None else out
-    _rotate_dp4a_kernel[(k // block,)](x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, k, 1.0 / math.sqrt(block),
-                                        B1=b1, B2=b2, SPLIT_X=x.dtype != torch.bfloat16, DT=dot_dtype(),
-                                        INV127=dp4a.INV127, num_warps=4, enable_fp_fusion=False)
+    act = dp4a.empty_activations(k, x.device, m) if out is None else out
+    _rotate_dp4a_kernel[(k // block, m)](x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, k, x2.stride(0),
+                                         1.0 / math.sqrt(block), B1=b1, B2=b2, SPLIT_X=x.dtype != torch.bfloat16,
+                                         DT=dot_dtype(), INV127=dp4a.INV127, num_warps=4, enable_fp_fusion=False)
     return act
 
 

@@ -7,9 +7,9 @@
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
   `ternary.reference` (the judge), so CPU serving keeps working;
-- M = 1 (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a (int8 bytes
-  of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the dp4a GEMV
-  (dp4a.py), which stores y in x's dtype: two launches;
+- M <= `DP4A_MAX_M` (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a
+  (int8 bytes of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the
+  dp4a GEMV (dp4a.py), which stores y in x's dtype: two launches;
 - M <= `GEMV_MAX_M` (2; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
   reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches (three
   for gate_up at M = 1, whose split-K sums its partials in a second small launch);
@@ -45,6 +45,8 @@ BLOCK = 1024
 # weights), which only pays beyond 64 rows.
 GEMV_MAX_M = 2
 GEMV_MAX_M_NO_W8 = 64
+# Batch rows up to which the dp4a GEMV runs (when the layer was prepared for it; dp4a.MAX_ROWS at most).
+DP4A_MAX_M = 1
 
 
 @dataclass
@@ -58,7 +60,7 @@ class TernaryWeights:
     row_scale: torch.Tensor  # float32 [N] = max_g |s[n, g]| / 127
     w_int8: torch.Tensor | None = None  # int8 [N, K] = code · q, when expanded at load
     block: int = BLOCK
-    dp4a: Dp4aConfig | None = None  # M = 1 through the dp4a GEMV with this config (prepare's dp4a switch)
+    dp4a: Dp4aConfig | None = None  # one row's dp4a config: M <= DP4A_MAX_M through the dp4a GEMV (prepare's switch)
 
     @property
     def out_features(self) -> int:
@@ -106,7 +108,8 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
 
         tw.dp4a = dp4a_kernels.default_config(n, k)
         if tw.dp4a is not None:
-            dp4a_kernels.reserve(packed.device, n, tw.dp4a, kw)
+            for rows in range(1, DP4A_MAX_M + 1):
+                dp4a_kernels.reserve(packed.device, n, dp4a_kernels.default_config(n, k, rows), kw, rows)
     return tw
 
 
@@ -155,8 +158,12 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
     """The path for m rows (the dispatch rule of the module docstring)."""
     if not triton_ok:
         return Route("reference")
-    if m == 1 and tw.dp4a is not None:
-        return Route("dp4a", tw.dp4a)
+    if m <= DP4A_MAX_M and tw.dp4a is not None:
+        if m == 1:
+            return Route("dp4a", tw.dp4a)
+        from bonsai_vllm.ternary.kernels import dp4a
+
+        return Route("dp4a", dp4a.default_config(tw.out_features, tw.in_features, m))
     if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
         from bonsai_vllm.ternary.kernels import gemv
 
@@ -193,8 +200,8 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         # rotation and prep in one kernel (or the prep alone when x comes rotated); the GEMV stores y in
         # x's dtype itself unless a bias is added after it in float32
         act = dp4a.prepare(x2) if rotated else rotate_dp4a(x2, tw.signs, tw.block)
-        y = torch.empty(tw.out_features, dtype=x.dtype if bias is None else torch.float32, device=x.device)
-        dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [N]
+        y = torch.empty(m, tw.out_features, dtype=x.dtype if bias is None else torch.float32, device=x.device)
+        dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
         if bias is not None:
             y = (y + bias.float()).to(x.dtype)
     elif r.path == "gemv":
