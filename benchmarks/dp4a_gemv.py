@@ -34,8 +34,10 @@ from bonsai_vllm.ternary.reference import dequantize, signed_block_hadamard
 
 CONFIGS = [Dp4aConfig(bn, bw, w, s, sp) for bn in (4, 8, 16, 32) for bw in (16, 32) for w in (1, 2, 4) for s in (2, 3)
            for sp in (1, 2, 4, 8) if 64 <= bn * bw <= 1024]
-# Several rows per call (M = 2 is one user's decode step with MTP on: the token and its draft).
-MULTI_ROWS = [2, 3, 4]
+# Several rows per call (M = 2 is one user's decode step with MTP on: the token and its draft). Three and
+# four rows lost to the served routes at every shape (the run of commit 2b1628e, docs/benchmarks.md):
+# dp4a work grows with the rows while the tensor-core GEMV's does not.
+MULTI_ROWS = [2]
 ROW_CONFIGS = [Dp4aConfig(bn, 32, w, 2, sp) for bn in (8, 16, 32) for w in (1, 2, 4) for sp in (2, 4, 8)]
 
 

@@ -157,9 +157,10 @@ def drive_ternary() -> None:
                 ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
                 if default_config(m, n, k).backend == "int_mm":  # on a GPU: cuBLAS _int_mm, then our rescale
                     rescale(torch.zeros(m, n, dtype=torch.int32), torch.ones(m), torch.ones(n))
-        # one-token rows on the fma GEMV as well (BONSAI_DP4A_GEMV=0; the default above took dp4a)
+        # the dp4a route's rows on the fma GEMV as well (BONSAI_DP4A_GEMV=0; the default above took dp4a)
         tw = prepare(packed, scales, None if rotated else signs, dp4a=False)
-        ternary_linear(torch.randn(1, k, generator=g).bfloat16(), tw, rotated=rotated)
+        for m in (1, 2):
+            ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
 
 
 def drive_allreduce() -> None:

@@ -160,7 +160,7 @@ class Checker:
                 tws[w8] = [linear.prepare(pack_ternary(codes[:, r * width:(r + 1) * width].contiguous()),
                                           scales[:, r * width // 128:(r + 1) * width // 128].contiguous(),
                                           signs[r * width:(r + 1) * width], expand_int8=w8) for r in range(ranks)]
-            # The fma GEMV at one-token rows, which BONSAI_DP4A_GEMV=0 serves (the default is the dp4a GEMV)
+            # The GEMV at decode rows as BONSAI_DP4A_GEMV=0 serves them (the default is the dp4a GEMV)
             tws["fma"] = [linear.prepare(t.packed, t.scales, t.signs, dp4a=False) for t in tws[False]]
             del codes
             rows = self.sz.lm_head_rows if name == "lm_head" else self.sz.decode_rows + self.sz.prefill_rows
@@ -168,8 +168,9 @@ class Checker:
                 for m in rows:
                     self.guard("linear", f"{name} M={m}", self._linear_case, name, m, k_full, n, signs, w_full,
                                plans, tws[w8], linear, signed_block_hadamard)
-            self.guard("linear", f"{name} M=1 BONSAI_DP4A_GEMV=0", self._linear_case, name, 1, k_full, n, signs,
-                       w_full, plans, tws["fma"], linear, signed_block_hadamard)
+            for m in range(1, linear.DP4A_MAX_M + 1):  # the rows the dp4a route takes, on the route it replaced
+                self.guard("linear", f"{name} M={m} BONSAI_DP4A_GEMV=0", self._linear_case, name, m, k_full, n,
+                           signs, w_full, plans, tws["fma"], linear, signed_block_hadamard)
             del tws, w_full
             self.empty_cache()
 

@@ -75,10 +75,14 @@ def default_config(n: int, k: int, rows: int = 1) -> Dp4aConfig | None:
     """The configuration for `rows` rows through a layer of N outputs and K inputs, None where the kernel
     does not apply. One row, from the H200 sweep of benchmarks/dp4a_gemv.py (docs/benchmarks.md): BN = BW =
     32, two warps at every shape; four K slices for the wide layers, eight for the 5120-row ones (stages 2
-    and 3 within run spread). More rows hold rows × BN × BW partial sums: BN halves from three rows."""
+    and 3 within run spread). Two rows: four warps and four K slices were the best at gate_up, o_proj and
+    GDN-out in the first sweep (docs/benchmarks.md); more rows hold rows × BN × BW partial sums, so BN
+    halves from three rows."""
     if k % GROUP or (k // 16) % 32 or not 1 <= rows <= MAX_ROWS:
         return None
-    return Dp4aConfig(bn=32 if rows <= 2 else 16, bw=32, warps=2, stages=2, split=4 if n > 6144 else 8)
+    if rows == 1:
+        return Dp4aConfig(bn=32, bw=32, warps=2, stages=2, split=4 if n > 6144 else 8)
+    return Dp4aConfig(bn=32 if rows == 2 else 16, bw=32, warps=4, stages=2, split=4)
 
 
 def _round(v: torch.Tensor) -> torch.Tensor:
@@ -208,12 +212,62 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(w_ptr, sc_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, CHUNK,
-                     SPLITS, stride_y, ROWS: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
-                     USE_ASM: tl.constexpr):
-        # grid: (cdiv(N, BN), SPLITS). Program (t, s) walks words [s·CHUNK, (s+1)·CHUNK) of K for BN outputs and
-        # all ROWS rows, BW words (BW / 8 groups) per step: a word's codes are split into lanes once, then
-        # every row's two dp4a chains run on them. RP: ROWS rounded up to a power of two (Triton's tile
-        # sizes); the padding rows read zeros and are never stored.
+                     SPLITS, BN: tl.constexpr, BW: tl.constexpr, USE_ASM: tl.constexpr):
+        # grid: (cdiv(N, BN), SPLITS). Program (t, s) walks words [s·CHUNK, (s+1)·CHUNK) of K for BN rows, BW
+        # words (BW / 8 groups) per step.
+        G8: tl.constexpr = BW // 8
+        tile = tl.program_id(0)
+        part = tl.program_id(1)
+        rn = tile * BN + tl.arange(0, BN)
+        nmask = rn < N
+        rw = tl.arange(0, BW)
+        rg = tl.arange(0, G8)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        zero = tl.zeros([BN, BW], dtype=tl.int32)
+        G = KW // 8
+        k0 = part * CHUNK
+        for w0 in range(k0, min(k0 + CHUNK, KW), BW):
+            p = tl.load(w_ptr + rn[:, None] * KW + w0 + rw[None, :], mask=nmask[:, None], other=0)  # [BN, BW]
+            t1 = zero
+            t2 = zero
+            for j in tl.static_range(4):
+                c = (p >> (2 * j)) & 0x03030303
+                xa = tl.load(xa_ptr + j * KW + w0 + rw)[None, :]
+                xr = tl.load(xr_ptr + j * KW + w0 + rw)[None, :]
+                t1 = _dp4a(c, xa, t1, USE_ASM)
+                t2 = _dp4a(c, xr, t2, USE_ASM)
+            g0 = w0 // 8
+            T1 = tl.sum(tl.reshape(t1, (BN, G8, 8)), axis=2)  # [BN, G8] Σ u·x8 per group
+            T2 = tl.sum(tl.reshape(t2, (BN, G8, 8)), axis=2)
+            X1 = tl.load(gx_ptr + g0 + rg)[None, :]
+            X2 = tl.load(gr_ptr + g0 + rg)[None, :]
+            s1 = tl.load(s_ptr + g0 + rg)[None, :]
+            s2 = tl.load(s_ptr + G + g0 + rg)[None, :]
+            sc = tl.load(sc_ptr + rn[:, None] * G + g0 + rg[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+            v = s1 * (T1 - X1).to(tl.float32) + s2 * (T2 - X2).to(tl.float32)
+            acc += tl.sum(sc * v, axis=1)
+        if SPLITS == 1:
+            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+        else:
+            tl.store(ws_ptr + part * N + rn, acc, mask=nmask)
+            tl.debug_barrier()  # every thread's partial is written before the program announces it
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if arrived == SPLITS - 1:  # the last slice of this tile: add them all, in slice order
+                total = tl.zeros([BN], dtype=tl.float32)
+                for s in range(0, SPLITS):
+                    total += tl.load(ws_ptr + s * N + rn, mask=nmask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=nmask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call (CUDA-graph replays too)
+
+    @triton.jit
+    def _gemv_rows_kernel(w_ptr, sc_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW,
+                          CHUNK, SPLITS, stride_y, ROWS: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr,
+                          BW: tl.constexpr, USE_ASM: tl.constexpr):
+        # _gemv_kernel for ROWS >= 2 rows (one user's decode step with MTP is two): the same walk, the rows a
+        # third tile dimension, and a word's codes split into lanes once for all rows' dp4a chains. Kept
+        # apart from the one-row kernel: the 3-D form ran one row at 20.5 µs against 12.5 (gate_up, H200).
+        # RP: ROWS rounded up to a power of two (Triton's tile sizes); the padding rows read zeros and are
+        # never stored.
         G8: tl.constexpr = BW // 8
         tile = tl.program_id(0)
         part = tl.program_id(1)
@@ -351,8 +405,14 @@ def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     tiles = triton.cdiv(n, config.bn)
     y = torch.empty(rows, n, dtype=torch.float32, device=packed.device) if out is None else out.view(rows, n)
     partials, counters = workspace.get(splits * rows * n if splits > 1 else 1, tiles)
-    _gemv_kernel[(tiles, splits)](packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters,
-                                  n, kw, chunk, splits, y.stride(0), ROWS=rows, RP=triton.next_power_of_2(rows),
-                                  BN=config.bn, BW=config.bw,
-                                  USE_ASM=not interpreting(), num_warps=config.warps, num_stages=config.stages)
+    if rows == 1:
+        _gemv_kernel[(tiles, splits)](packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters,
+                                      n, kw, chunk, splits, BN=config.bn, BW=config.bw, USE_ASM=not interpreting(),
+                                      num_warps=config.warps, num_stages=config.stages)
+    else:
+        _gemv_rows_kernel[(tiles, splits)](packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials,
+                                           counters, n, kw, chunk, splits, y.stride(0), ROWS=rows,
+                                           RP=triton.next_power_of_2(rows), BN=config.bn, BW=config.bw,
+                                           USE_ASM=not interpreting(), num_warps=config.warps,
+                                           num_stages=config.stages)
     return y

@@ -45,8 +45,10 @@ BLOCK = 1024
 # weights), which only pays beyond 64 rows.
 GEMV_MAX_M = 2
 GEMV_MAX_M_NO_W8 = 64
-# Batch rows up to which the dp4a GEMV runs (when the layer was prepared for it; dp4a.MAX_ROWS at most).
-DP4A_MAX_M = 1
+# Batch rows up to which the dp4a GEMV runs (when the layer was prepared for it; dp4a.MAX_ROWS at most):
+# one row, and two (one user's step with MTP on); from three rows the tensor-core GEMV is faster (H200,
+# benchmarks/dp4a_gemv.py, docs/benchmarks.md).
+DP4A_MAX_M = 2
 
 
 @dataclass
