@@ -156,7 +156,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BONSAI_DP4A_GEMV", "bool", True,
             "Decode batches of one or two rows (one user's step; two with MTP on) through the dp4a GEMV (int8 "
             "activations + residual, four weights per instruction; on the H200 1.09-1.76x the fma GEMV at one "
-            "row, 1.03-1.28x at two) instead of the fma GEMV. 0: the fma GEMV. make gpu-check passed it at every "
+            "row, 1.06-1.41x at two) instead of the fma GEMV. 0: the fma GEMV. make gpu-check passed it at every "
             "real shape on the H200 (2026-12-01, docs/benchmarks.md, issue 19).",
             "ternary/kernels/linear.py"),
     # ---- the K3V2 KV cache (kv/, adapters/k3v2_attention.py; docs/kv-cache.md)

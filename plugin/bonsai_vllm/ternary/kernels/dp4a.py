@@ -75,14 +75,22 @@ def default_config(n: int, k: int, rows: int = 1) -> Dp4aConfig | None:
     """The configuration for `rows` rows through a layer of N outputs and K inputs, None where the kernel
     does not apply. One row, from the H200 sweep of benchmarks/dp4a_gemv.py (docs/benchmarks.md): BN = BW =
     32, two warps at every shape; four K slices for the wide layers, eight for the 5120-row ones (stages 2
-    and 3 within run spread). Two rows: four warps and four K slices were the best at gate_up, o_proj and
-    GDN-out in the first sweep (docs/benchmarks.md); more rows hold rows × BN × BW partial sums, so BN
-    halves from three rows."""
+    and 3 within run spread). Two rows: the fastest of the H200 sweep for each shape class (docs/benchmarks.md).
+    More rows hold rows × BN × BW partial sums, so BN halves from three rows (not dispatched: slower than the
+    tensor-core GEMV there)."""
     if k % GROUP or (k // 16) % 32 or not 1 <= rows <= MAX_ROWS:
         return None
     if rows == 1:
         return Dp4aConfig(bn=32, bw=32, warps=2, stages=2, split=4 if n > 6144 else 8)
-    return Dp4aConfig(bn=32 if rows == 2 else 16, bw=32, warps=4, stages=2, split=4)
+    if rows == 2:  # the fastest of the two-row sweep per shape class
+        if n > 65536:  # the LM head: enough tiles without many slices
+            return Dp4aConfig(bn=32, bw=32, warps=1, stages=2, split=2)
+        if k > 6144:  # down_proj's 8704 inputs per rank
+            return Dp4aConfig(bn=32, bw=32, warps=1, stages=2, split=8)
+        if k >= 4096 and n <= 8192:  # qkv, GDN-in: 5120 inputs, 7168-8192 outputs
+            return Dp4aConfig(bn=16, bw=32, warps=1, stages=2, split=4)
+        return Dp4aConfig(bn=32, bw=32, warps=4, stages=2, split=4)  # gate_up, o_proj, GDN-out
+    return Dp4aConfig(bn=16, bw=32, warps=4, stages=2, split=4)
 
 
 def _round(v: torch.Tensor) -> torch.Tensor:
