@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(dict(layer=name, K=k, N=n, dp4a_us=timed[best], with_prep_us=t_both, prep_us=t_prep,
                          config=asdict(best), err=err, served_us=t_served, served_dp4a_us=t_served_dp4a,
                          served_err=err_served, rotated=rotated,
-                         served_dp4a_config=str(tws_dp4a[0].dp4a), bf16_us=t_bf16, floor_us=floor))
+                         served_dp4a_config=str(tws_dp4a[0].dp4a[0]), bf16_us=t_bf16, floor_us=floor))
         bk.say(f"  {name:8s} dp4a {timed[best]:6.2f} µs ({100 * floor / timed[best]:.0f}% of copy bw, {best}, "
                f"err {err:.1e}), with prep {t_both:6.2f}  served dp4a {t_served_dp4a:6.2f}  "
                f"fma {t_served:6.2f} ({100 * floor / t_served:.0f}%)  bf16 {t_bf16:6.2f}")

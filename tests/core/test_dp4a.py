@@ -156,7 +156,7 @@ def test_the_route_takes_dp4a_for_decode_rows_only_when_switched_on(monkeypatch,
     off = linear.prepare(packed, scales, signs, dp4a=False)
     on = linear.prepare(packed, scales, signs, dp4a=True)
     assert linear.route(1, off).path == "gemv"
-    assert linear.route(1, on).path == "dp4a" and on.dp4a == dp4a.default_config(n, k)
+    assert linear.route(1, on).path == "dp4a" and on.dp4a[0] == dp4a.default_config(n, k)
     assert linear.route(max_m, on).config == dp4a.default_config(n, k, max_m)
     assert linear.route(max_m + 1, on).path == "gemv"  # beyond: the GEMV as before
     for m in sorted({1, max_m}):

@@ -62,7 +62,9 @@ class TernaryWeights:
     row_scale: torch.Tensor  # float32 [N] = max_g |s[n, g]| / 127
     w_int8: torch.Tensor | None = None  # int8 [N, K] = code · q, when expanded at load
     block: int = BLOCK
-    dp4a: Dp4aConfig | None = None  # one row's dp4a config: M <= DP4A_MAX_M through the dp4a GEMV (prepare's switch)
+    # the dp4a GEMV's config for 1, 2, ... rows (prepare's switch; DP4A_MAX_M of them): M <= len(dp4a) rows
+    # take the dp4a route; None: never
+    dp4a: tuple[Dp4aConfig, ...] | None = None
 
     @property
     def out_features(self) -> int:
@@ -108,10 +110,11 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     if dp4a and usable(packed):
         from bonsai_vllm.ternary.kernels import dp4a as dp4a_kernels
 
-        tw.dp4a = dp4a_kernels.default_config(n, k)
-        if tw.dp4a is not None:
-            for rows in range(1, DP4A_MAX_M + 1):
-                dp4a_kernels.reserve(packed.device, n, dp4a_kernels.default_config(n, k, rows), kw, rows)
+        configs = tuple(dp4a_kernels.default_config(n, k, rows) for rows in range(1, DP4A_MAX_M + 1))
+        if None not in configs:  # the kernel applies to this shape
+            tw.dp4a = configs
+            for rows, config in enumerate(configs, 1):
+                dp4a_kernels.reserve(packed.device, n, config, kw, rows)
     return tw
 
 
@@ -139,7 +142,7 @@ def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.T
 @dataclass(frozen=True)
 class Route:
     """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "dp4a" (config: the
-    dp4a.Dp4aConfig the layer was prepared with), "gemv" (config: the
+    dp4a.Dp4aConfig the layer was prepared with for that many rows), "gemv" (config: the
     gemv.GemvConfig of gemv.default_config) or "int8" (config: the int8mm.Int8GemmConfig of
     int8mm.default_config; w8: "kept" at load or "expanded" per call). make gpu-check prints it beside each
     case."""
@@ -160,12 +163,8 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
     """The path for m rows (the dispatch rule of the module docstring)."""
     if not triton_ok:
         return Route("reference")
-    if m <= DP4A_MAX_M and tw.dp4a is not None:
-        if m == 1:
-            return Route("dp4a", tw.dp4a)
-        from bonsai_vllm.ternary.kernels import dp4a
-
-        return Route("dp4a", dp4a.default_config(tw.out_features, tw.in_features, m))
+    if tw.dp4a is not None and m <= len(tw.dp4a):
+        return Route("dp4a", tw.dp4a[m - 1])
     if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
         from bonsai_vllm.ternary.kernels import gemv
 
