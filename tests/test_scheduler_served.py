@@ -18,7 +18,12 @@ import pytest
 from bonsai_vllm.testing.devserver import VllmServer
 
 SCHEDULER = "bonsai_vllm.adapters.scheduler.AsyncPreemptScheduler"
-AGENT_TOKENS = 160
+SOLO_TOKENS = 160  # the agent request alone: its text to compare with, and the machine's decode rate
+# How long one agent request decodes alone. The chat request must arrive while both agents still run; a fixed
+# output length raced the machine's speed (160 tokens: CI's agents finished 1.85 s before the chat request
+# was sent, 2026-12-01), so the agents' length follows the measured rate.
+AGENT_SECONDS = 10.0
+MAX_AGENT_TOKENS = 1800  # within --max-model-len 2048 with the counting prompt
 COUNTING = "Counting up: " + " ".join(str(i) for i in range(1, 30))
 
 
@@ -81,12 +86,20 @@ def trace_lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_contention(url: str, chat_priority: int) -> tuple[list[Stream], Stream]:
-    agents = [Stream(url, 10, AGENT_TOKENS) for _ in range(2)]
+def agent_length(solo: Stream) -> int:
+    """Tokens an agent asks for so that it decodes for about AGENT_SECONDS at the solo run's rate."""
+    rate = solo.tokens / max(solo.end - solo.first_token, 1e-3)
+    return max(SOLO_TOKENS, min(MAX_AGENT_TOKENS, int(rate * AGENT_SECONDS)))
+
+
+def run_contention(url: str, chat_priority: int, agent_tokens: int) -> tuple[list[Stream], Stream]:
+    agents = [Stream(url, 10, agent_tokens) for _ in range(2)]
     for a in agents:
         a.start()
     for a in agents:
         a.wait_tokens(4)
+    assert all(a.is_alive() for a in agents), \
+        f"an agent finished its {agent_tokens} tokens before the chat request was sent: make AGENT_SECONDS longer"
     chat = Stream(url, chat_priority, 8)
     chat.start()
     for t in (*agents, chat):
@@ -103,30 +116,39 @@ def preempting(tiny_model, tmp_path_factory):
         yield srv, trace
 
 
-def test_chat_preempts_agents_and_agents_lose_nothing(preempting):
+@pytest.fixture(scope="module")
+def solo(preempting) -> Stream:
+    """The agent request with nobody else around: the text to compare with, and the decode rate."""
+    srv, _ = preempting
+    stream = Stream(srv.url, 10, SOLO_TOKENS)
+    stream.run()
+    assert stream.error is None and stream.tokens == SOLO_TOKENS, stream.error
+    return stream
+
+
+def test_chat_preempts_agents_and_agents_lose_nothing(preempting, solo):
     srv, trace = preempting
-    solo = Stream(srv.url, 10, AGENT_TOKENS)
-    solo.run()  # the same agent request with nobody else around: the text to compare with
+    agent_tokens = agent_length(solo)
     before = sum(len(t["preempted"]) for t in trace_lines(trace))
-    agents, chat = run_contention(srv.url, chat_priority=0)
+    agents, chat = run_contention(srv.url, chat_priority=0, agent_tokens=agent_tokens)
     preemptions = sum(len(t["preempted"]) for t in trace_lines(trace)) - before
     first_agent_done = min(a.end for a in agents)
-    print(f"\nchat TTFT {chat.ttft:.2f} s; first agent finished {first_agent_done - chat.start_time:.2f} s "
-          f"after the chat request; preemptions {preemptions}")
+    print(f"\nagents of {agent_tokens} tokens; chat TTFT {chat.ttft:.2f} s; first agent finished "
+          f"{first_agent_done - chat.start_time:.2f} s after the chat request; preemptions {preemptions}")
     assert preemptions == 1
     assert chat.first_token < first_agent_done, "the chat request waited for an agent to finish"
     for a in agents:
         # Every token delivered exactly once across the preemption: counts match and no text was lost
         # or repeated — the decisive counting prefix is the solo run's.
-        assert a.tokens == AGENT_TOKENS and a.usage.completion_tokens == AGENT_TOKENS
+        assert a.tokens == agent_tokens and a.usage.completion_tokens == agent_tokens
         assert a.text[:40] == solo.text[:40]
     assert chat.tokens == 8
 
 
-def test_equal_priority_does_not_preempt(preempting):
+def test_equal_priority_does_not_preempt(preempting, solo):
     srv, trace = preempting
     before = len(trace_lines(trace))
-    agents, late = run_contention(srv.url, chat_priority=10)
+    agents, late = run_contention(srv.url, chat_priority=10, agent_tokens=agent_length(solo))
     assert not any(t["preempted"] for t in trace_lines(trace)[before:])
     assert late.first_token >= min(a.end for a in agents) - 0.05  # it waited for a free slot
 
@@ -159,11 +181,11 @@ def test_prefill_budget_holds(preempting):
         assert all(n <= 512 for n in s["requests"].values()), s
 
 
-def test_switch_off_restores_stock_behaviour(tiny_model, tmp_path):
+def test_switch_off_restores_stock_behaviour(tiny_model, tmp_path, solo):
     trace = tmp_path / "trace.jsonl"
     env = {"BONSAI_SCHED_TRACE": str(trace), "BONSAI_PRIORITY_PREEMPT": "0"}
     with VllmServer(tiny_model, server_args(), env=env) as srv:
-        agents, chat = run_contention(srv.url, chat_priority=0)
+        agents, chat = run_contention(srv.url, chat_priority=0, agent_tokens=agent_length(solo))
     assert not any(t["preempted"] for t in trace_lines(trace))
     # Stock vLLM 0.32: the chat request waits until an agent frees its slot.
     assert chat.first_token >= min(a.end for a in agents) - 0.05
