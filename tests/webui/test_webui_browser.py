@@ -82,10 +82,12 @@ class Recorder:
     A streamed answer is relayed one server-sent event at a time, `pace` seconds apart, and each relayed
     stream's events are kept (`streams`): the tiny model on CPU writes its ~30 tokens in a few milliseconds
     each, where the served model at 90 tok/s takes ~11 ms a token, and Open WebUI may render several of
-    them at once. Pacing at 20 events a second lets the page render each stage (reasoning, a growing
-    answer) the way a person sees it with the real model; the bytes are unchanged."""
+    them at once. Pacing lets the page render each stage (reasoning, a growing answer) the way a person
+    sees it; the bytes are unchanged. At 20 events a second a loaded CI machine still rendered the whole
+    answer in one go (4 renders for 31 events, 2026-12-01: Open WebUI's backend and the page fell behind
+    and caught up in bursts), so events come 5 a second, a slow model's pace."""
 
-    def __init__(self, upstream: str, pace: float = 0.05):
+    def __init__(self, upstream: str, pace: float = 0.2):
         import http.server
         import threading
 
