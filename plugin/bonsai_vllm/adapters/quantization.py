@@ -37,16 +37,26 @@ from bonsai_vllm.ternary.partition import plan_partition, rotate_partition
 CODES_PER_WORD = 16  # 2-bit codes in one int32
 
 
+# Every ternary layer's state as `prepare` made it at load (its tensors, the dp4a configs its shape takes, W8
+# if kept), at the index the layer hands the op. A custom op takes tensors and plain values only; the op used
+# to rebuild TernaryWeights from the tensors and so lost what prepare had decided: the served path never took
+# the dp4a route that the benchmarks and make gpu-check ran (found 2026-12-02, tests/test_linear_adapter.py).
+PREPARED: list[TernaryWeights] = []
+
+
 @torch.library.custom_op("bonsai::ternary_linear", mutates_args=())
-def ternary_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor,
-                      q: torch.Tensor, row_scale: torch.Tensor, rotated: bool, block: int) -> torch.Tensor:
-    # x [T, in/tp] (rotated or not) -> y [T, out]; dispatch by device and batch size inside.
-    tw = TernaryWeights(packed, scales, signs, q, row_scale, None, block)
+def ternary_linear_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, rotated: bool,
+                      layer: int) -> torch.Tensor:
+    # x [T, in/tp] (rotated or not) -> y [T, out]; dispatch by device and batch size inside. packed and scales
+    # are the layer's own (passed so that a compiled graph sees what the op reads), PREPARED[layer] holds them.
+    tw = PREPARED[layer]
+    if tw.packed.data_ptr() != packed.data_ptr() or tw.scales.data_ptr() != scales.data_ptr():
+        raise RuntimeError(f"bonsai::ternary_linear: layer {layer}'s weights moved after loading")
     return ternary_linear(x, tw, rotated=rotated)
 
 
 @ternary_linear_op.register_fake
-def _(x, packed, scales, signs, q, row_scale, rotated, block):
+def _(x, packed, scales, rotated, layer):
     return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
@@ -144,10 +154,11 @@ class PrismTernaryLinearMethod(LinearMethodBase):
         layer.scales = torch.nn.Parameter(layer.scales.data, requires_grad=False)
         layer.signs = layer.signs.to(layer.weight.device)
         assert width == layer.prism_plan.width
-        # Per-row int8 decomposition of the scales for the prefill path (N·K/128 bytes, small).
+        # The per-row int8 decomposition of the scales for the prefill path (N·K/128 bytes, small) and the
+        # decode routes this shape takes; kept for the op by index.
         tw = prepare(layer.weight.data, layer.scales.data, layer.signs, block=self.spec.hadamard_block)
-        layer.prism_q = torch.nn.Parameter(tw.q, requires_grad=False)
-        layer.prism_row_scale = torch.nn.Parameter(tw.row_scale, requires_grad=False)
+        layer.prism_index = len(PREPARED)
+        PREPARED.append(tw)
 
     def _exchange(self, t: torch.Tensor) -> torch.Tensor:
         return get_tp_group().all_gather(t, dim=-1)
@@ -157,6 +168,5 @@ class PrismTernaryLinearMethod(LinearMethodBase):
         if plan.cut:
             # x [T, in/tp] -> this rank's slice of the full rotation (one all-gather of half blocks)
             x = rotate_partition(x, layer.signs, plan, layer.prism_tp_rank, self._exchange)
-        y = torch.ops.bonsai.ternary_linear(x, layer.weight, layer.scales, layer.signs, layer.prism_q,
-                                            layer.prism_row_scale, plan.cut, self.spec.hadamard_block)
+        y = torch.ops.bonsai.ternary_linear(x, layer.weight, layer.scales, plan.cut, layer.prism_index)
         return y if bias is None else y + bias

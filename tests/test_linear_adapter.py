@@ -1,0 +1,133 @@
+"""Which route the vLLM adapter's ternary layer takes: the one `prepare` chose for it at load.
+
+The layer is built as vLLM builds it (PrismTernaryLinearMethod.create_weights, weights filled in,
+process_weights_after_loading) and called through `apply`, the custom op included. A spy on
+`kernels.linear.route` records what each call would run where Triton runs (TRITON_INTERPRET=1 makes CPU tensors
+count as such) and then lets the reference maths compute it, so no kernel runs here: whether the kernels compute
+correctly is make gpu-check's job. Until 2026-12-02 the op rebuilt the layer's state from its tensors and lost
+the dp4a configs, so served decode rows never took the dp4a route that gpu-check and the benchmarks timed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bonsai_vllm.ternary.format import encode_signs, pack_ternary
+from bonsai_vllm.ternary.kernels import linear
+from bonsai_vllm.ternary.reference import dequantize, signed_block_hadamard
+
+N, K = 64, 1024  # the smallest shape the dp4a GEMV takes (K/16 a multiple of its 32-word step)
+
+
+def _layer(spec):
+    from bonsai_vllm.adapters.quantization import PrismTernaryLinearMethod
+
+    method = PrismTernaryLinearMethod(spec, "model.layers.0.mlp.down_proj")
+    layer = torch.nn.Module()
+    method.create_weights(layer, K, [N], K, N, torch.bfloat16, weight_loader=lambda *a, **k: None)
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-1, 2, (N, K), generator=gen)
+    layer.weight.data.copy_(pack_ternary(codes))
+    layer.scales.data.copy_((torch.rand(N, K // 128, generator=gen) + 0.5).half())
+    method.process_weights_after_loading(layer)
+    return method, layer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_world():
+    """vLLM's parameters ask for the TP rank: a real one-rank vLLM world on gloo, gone afterwards (later
+    in-process tests must see no process group)."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    from bonsai_vllm.testing.devserver import free_port
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    assert not dist.is_initialized()
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+        ps.initialize_model_parallel(1, backend="gloo")
+        yield
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+    assert not dist.is_initialized()
+
+
+@pytest.fixture
+def spec():
+    from bonsai_vllm.ternary.format import PrismTernaryConfig
+
+    signs = torch.where(torch.rand(K, generator=torch.Generator().manual_seed(1)) < 0.5, -1.0, 1.0)
+    return PrismTernaryConfig.from_dict({"quant_method": "prism_ternary", "bits": 2, "group_size": 128,
+                                         "hadamard_block": 1024, "signs": {str(K): encode_signs(signs)}})
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """Every route `ternary_linear` picks, as (rows, Route) where Triton could run; the reference computes."""
+    seen: list[tuple[int, linear.Route]] = []
+    real = linear.route
+
+    def spy(m, tw, triton_ok=True):
+        seen.append((m, real(m, tw, True)))
+        return linear.Route("reference")
+
+    # patched where the adapter's ternary_linear looks it up (kernel test modules may load modules anew)
+    from bonsai_vllm.adapters import quantization
+
+    monkeypatch.setitem(quantization.ternary_linear.__globals__, "route", spy)
+    return seen
+
+
+def _expected(layer, x):
+    xr = signed_block_hadamard(x.float(), layer.signs, 1024)
+    return xr @ dequantize(layer.weight.data, layer.scales.data, 128).t()
+
+
+def test_decode_rows_take_the_dp4a_route_prepare_chose(spec, routes, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton usable on these CPU tensors, as on CUDA ones
+    from bonsai_vllm.adapters.quantization import PREPARED
+    from bonsai_vllm.ternary.kernels import dp4a
+
+    method, layer = _layer(spec)
+    prepared = PREPARED[layer.prism_index]
+    assert prepared.dp4a == tuple(dp4a.default_config(N, K, rows) for rows in range(1, linear.DP4A_MAX_M + 1))
+    for m in (1, 2, 3, 200):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).bfloat16()
+        y = method.apply(layer, x)
+        torch.testing.assert_close(y.float(), _expected(layer, x), rtol=2e-2, atol=2e-2)
+    paths = [(m, r.path, r.config) for m, r in routes]
+    assert paths[:2] == [(1, "dp4a", prepared.dp4a[0]), (2, "dp4a", prepared.dp4a[1])]
+    assert [(m, p) for m, p, _ in paths[2:]] == [(3, "gemv"), (200, "int8")]
+
+
+def test_dp4a_switched_off_keeps_the_gemv(spec, routes, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from bonsai_vllm import settings
+
+    monkeypatch.setitem(settings._cache, "BONSAI_DP4A_GEMV", False)  # as BONSAI_DP4A_GEMV=0 read at start-up
+    method, layer = _layer(spec)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).bfloat16()
+    torch.testing.assert_close(method.apply(layer, x).float(), _expected(layer, x), rtol=2e-2, atol=2e-2)
+    assert [(m, r.path) for m, r in routes] == [(1, "gemv")]
+
+
+def test_reference_where_triton_cannot(spec, routes, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors, no interpreter (vLLM-CPU serving)
+    from bonsai_vllm.adapters.quantization import PREPARED
+
+    method, layer = _layer(spec)
+    assert PREPARED[layer.prism_index].dp4a is None  # no workspace reserved for a route that cannot run
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(6)).bfloat16()
+    torch.testing.assert_close(method.apply(layer, x).float(), _expected(layer, x), rtol=2e-2, atol=2e-2)
+
+
+def test_weights_replaced_after_loading_are_refused(spec, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    method, layer = _layer(spec)
+    layer.weight = torch.nn.Parameter(layer.weight.data.clone(), requires_grad=False)
+    with pytest.raises(RuntimeError, match="moved after loading"):
+        method.apply(layer, torch.randn(1, K).bfloat16())
