@@ -131,15 +131,17 @@ def gemv_reference(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Ten
                         for m in range(act.rows)])
 
 
+def unplanar(p: torch.Tensor) -> torch.Tensor:
+    """Planar activation bytes [..., 4, K/16] int32 -> the int8 values [..., K] in input order (int64)."""
+    kw = p.shape[-1]
+    b = p.transpose(-1, -2).contiguous().view(torch.int8).view(*p.shape[:-2], kw, 4, 4).transpose(-1, -2)  # [w, b, j]
+    return b.reshape(*p.shape[:-2], kw * 16).to(torch.int64)
+
+
 def _gemv_row_reference(xa, xr, gx, gr, sg, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     n, kw = packed.shape
     shifts = torch.arange(16, device=packed.device, dtype=torch.int32) * 2
     u = ((packed.unsqueeze(-1) >> shifts) & 3).reshape(n, kw * 16).to(torch.int64)  # [N, K] codes, k = 16w + i
-
-    def unplanar(p: torch.Tensor) -> torch.Tensor:  # [4, K/16] int32 -> [K] int64
-        b = p.t().contiguous().view(torch.int8).view(kw, 4, 4).transpose(1, 2)  # [w, b, j]
-        return b.reshape(-1).to(torch.int64)
-
     x8, r8 = unplanar(xa), unplanar(xr)
     t1 = (u * x8).view(n, -1, GROUP).sum(-1)  # [N, G]
     t2 = (u * r8).view(n, -1, GROUP).sum(-1)

@@ -1,0 +1,154 @@
+"""Check and time issue 19's 3-64-row kernel, ternary.kernels.mma (int8 mma.sync on codes decoded in registers).
+
+    PYTHONPATH=plugin python -m benchmarks.mma_gemm [--out DIR] [--ms 2,4,16,48] [--quick]
+
+On the GPU, for the six per-rank layers of the 27B and batch rows M:
+- every configuration in the sweep against the kernel's own integer maths (mma.gemm_reference: must agree to
+  float32 rounding) and against the float32 layer on the same prepared activations (the int8 error itself),
+  on fresh random data with a NaN-poisoned output; the chosen one re-run and required bit-equal;
+- times as CUDA-graph replays over weight copies that miss L2: the kernel alone and with its activation prep
+  (dp4a.prepare), the route served today for M rows (`ternary_linear`, W8 not kept: dp4a at M <= 2, the
+  tensor-core `gemv dot` above), bf16 cuBLAS, and the fraction of copy bandwidth each reaches.
+The last lines are a table (docs/benchmarks.md keeps it) and the list of check failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import kernels as bk
+from bonsai_vllm.ternary.kernels import dp4a, mma
+from bonsai_vllm.ternary.kernels.mma import MmaConfig
+from bonsai_vllm.ternary.reference import dequantize
+
+MS = [2, 3, 4, 8, 16, 24, 32, 48, 64]
+SHAPES = bk.SHAPES
+
+
+def sweep(m: int, n: int, k: int, quick: bool) -> list[MmaConfig]:
+    residual = (True, False) if m <= 32 else (False,)
+    cands = [MmaConfig(w, r, s, res) for w in (4, 8) for r in (1, 2) for s in (1, 2, 4, 8) for res in residual]
+    if quick:
+        cands = [MmaConfig(4, 1, c.split, c.residual, pf) for c in cands if c.warps == 4 and c.rtiles == 1
+                 for pf in (0, 2, 4)]
+    d = mma.default_config(m, n, k)
+    if d is not None and d not in cands:
+        cands.append(d)
+    return [c for c in cands if n % c.rows_per_cta() == 0 and (k // 128) // c.split >= 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--quick", action="store_true", help="four warps, one row tile: the split and residual only")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds of checks and timings, then the table")
+    args = ap.parse_args(argv)
+    ms = [int(v) for v in args.ms.split(",")]
+    from bonsai_vllm.ternary.kernels import linear
+
+    dev = "cuda"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.
+    t0 = time.time()
+    wanted = {(-(-m // 8), c, torch.bfloat16) for name, k, n in SHAPES for m in ms for c in sweep(m, n, k, args.quick)}
+    wanted |= {(t, c, torch.float32) for t, c, _ in wanted}
+    cap = "".join(map(str, torch.cuda.get_device_capability()))
+    with ThreadPoolExecutor(16) as pool:  # NVRTC on the host's cores; the modules load in this thread
+        list(pool.map(lambda a: mma.compile_instance(mma.template(*a), cap), sorted(wanted, key=str)))
+    for a in wanted:
+        mma.kernel(*a, torch.device(dev))
+    bk.say(f"compiled {len(wanted)} instances in {time.time() - t0:.1f} s")
+    deadline = time.time() + args.budget
+
+    bw = bk.copy_bandwidth()
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    rows, failures = [], []
+    for name, k, n in SHAPES:
+        packed, scales, signs = bk.random_layer(n, k, dev, seed=5)
+        w_ref = dequantize(packed, scales, 128)
+        tern_bytes = n * k / 4 + n * k / 128 * 2
+        copies = bk.n_copies(int(tern_bytes), l2)
+        tern = [(packed.clone(), scales.clone()) for _ in range(copies)]
+        tws = [linear.prepare(p, s, None, expand_int8=False) for p, s in tern]  # today's served routes, x rotated
+        dense = [w_ref.to(torch.bfloat16) for _ in range(bk.n_copies(2 * n * k, l2))]
+        ws = dp4a.Dp4aWorkspace(dev)
+        floor = tern_bytes / bw * 1e6
+        for m in ms:
+            if time.time() > deadline:
+                failures.append(f"{name} M={m}: not run (--budget spent)")
+                continue
+            x = bk.randn(m, k, device=dev, seed=100 + m)  # taken as rotated
+            act = dp4a.prepare(x)
+            want = x.float() @ w_ref.t()
+            ok = []
+            exact_for = {res: mma.gemm_reference(act, packed, scales, res) for res in (True, False)}
+            for cfg in sweep(m, n, k, args.quick):
+                exact = exact_for[cfg.residual]
+                try:
+                    y = mma.gemm(act, packed, scales, cfg, ws, out=torch.full((m, n), float("nan"), device=dev))
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001 - a failing config is reported, the sweep goes on
+                    failures.append(f"{name} M={m} {cfg}: {type(e).__name__}: {str(e)[:300]}")
+                    continue
+                e_exact, e_ref = bk.rel(y, exact), bk.rel(y, want)
+                if not (torch.isfinite(y).all() and e_exact < 1e-5):
+                    failures.append(f"{name} M={m} {cfg}: {e_exact:.2e} from its own integer maths "
+                                    f"({e_ref:.2e} from float32)")
+                    continue
+                ok.append((cfg, e_ref, y.clone()))
+            if not ok:
+                continue
+            timed = {c: bk.time_graph(lambda i, c=c: mma.gemm(act, tern[i][0], tern[i][1], c, ws), copies,
+                                      bk.calls_for(15)) for c, _, _ in ok}
+            best = min(timed, key=timed.get)
+            err, first = next((e, y) for c, e, y in ok if c == best)
+            for _ in range(3):
+                again = mma.gemm(act, packed, scales, best, ws)
+                if not torch.equal(again, first):
+                    failures.append(f"{name} M={m} {best}: not deterministic ({bk.rel(again, first):.1e})")
+            fast = {res: min((t for c, t in timed.items() if c.residual == res), default=float("nan"))
+                    for res in (True, False)}
+            default = mma.default_config(m, n, k)
+            t_default = timed.get(default, float("nan"))
+            yb = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+            t_prep = bk.time_graph(lambda i: mma.gemm(dp4a.prepare(x, out=act), tern[i][0], tern[i][1], best, ws,
+                                                      out=yb), copies, bk.calls_for(15))
+            t_today = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=True), copies,
+                                    bk.calls_for(30))
+            t_bf16 = bk.time_graph(lambda i: F.linear(x, dense[i]), len(dense), bk.calls_for(30))
+            row = dict(layer=name, K=k, N=n, M=m, best=asdict(best), best_us=timed[best], err=err,
+                       residual_us=fast[True], plain_us=fast[False], default=str(default), default_us=t_default,
+                       with_prep_us=t_prep, today_us=t_today, today_route=str(linear.route(m, tws[0])),
+                       bf16_us=t_bf16, floor_us=floor, all={str(c): t for c, t in timed.items()})
+            rows.append(row)
+            bk.say(f"  {name:8s} M={m:3d} mma {timed[best]:7.2f} µs ({best}, err {err:.1e}; residual "
+                   f"{fast[True]:.2f} plain {fast[False]:.2f}) +prep {t_prep:7.2f}  today {t_today:7.2f}  "
+                   f"bf16 {t_bf16:7.2f}  floor {floor:5.2f}")
+            (out / "mma-gemm.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
+    lines = ["| layer | M | mma µs | + prep µs | today µs (route) | × today | bf16 µs | × bf16 (with prep) | "
+             "% of copy bw | residual / plain µs | error vs float32 | best config |", "|" + "---|" * 12]
+    for r in rows:
+        lines.append(f"| {r['layer']} | {r['M']} | {r['best_us']:.2f} | {r['with_prep_us']:.2f} | "
+                     f"{r['today_us']:.2f} ({r['today_route'].split(' bm=')[0]}) | "
+                     f"{r['today_us'] / r['with_prep_us']:.2f} | {r['bf16_us']:.2f} | "
+                     f"{r['bf16_us'] / r['with_prep_us']:.2f} | {100 * r['floor_us'] / r['best_us']:.0f} | "
+                     f"{r['residual_us']:.2f} / {r['plain_us']:.2f} | {r['err']:.1e} | {MmaConfig(**r['best'])} |")
+    (out / "mma-gemm.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print("\n## check failures\n" + ("\n".join(failures) if failures else "none"))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

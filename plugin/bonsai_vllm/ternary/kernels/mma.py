@@ -1,0 +1,168 @@
+"""The ternary layer for 3 to 64 rows on int8 tensor cores, codes decoded in registers (issue 19): `mma.cu`.
+
+Why CUDA and not Triton: every Triton route tried fed decoded codes to `tl.dot` through shared memory, per
+tile, behind barriers (docs/dev-notes.md: the codes GEMM at 88 µs against bf16's 46 for gate_up at 16 rows).
+In `mma.cu` each thread decodes its own operand registers from the checkpoint's words (two instructions per
+four weights) and issues `mma.sync.m16n8k32.s8` itself; the file's first comment explains the layout.
+
+It is compiled at run time by NVRTC (`torch.cuda._compile_kernel`: the CUDA runtime compiler that PyTorch's
+CUDA wheels carry), for the GPU it runs on, once per template instance and process: the serving image needs
+no nvcc, and `make compile-check` compiles it for sm_90 and sm_120 on a machine without a GPU.
+
+    act = dp4a.prepare(xr)                # or hadamard.rotate_dp4a(x, signs): the activations' int8 and scales
+    y = gemm(act, packed, scales, config, workspace, out=y)
+
+The judge is `gemm_reference` (the integer maths of dp4a.gemv_reference, batched, the residual term
+optional), and behind it the float32 layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from bonsai_vllm.ternary.kernels.dp4a import GROUP, Dp4aActivations, unplanar
+
+SOURCE = Path(__file__).with_name("mma.cu")
+MAX_ROWS = 64  # batch rows one launch takes (8 per mma column tile, T <= 8)
+_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """How one layer's call is cut up (mma.cu's template and grid)."""
+
+    warps: int  # warps per CTA
+    rtiles: int  # 16-row tiles of W per warp (a CTA covers 16 · rtiles · warps output rows)
+    split: int  # slices of K (CTAs along K); > 1: partial sums, added by the tile's last CTA in slice order
+    residual: bool  # also the r8 term: x to ~2e-5 instead of int8's ~6e-3
+    prefetch: int = 0  # groups ahead the codes (L2) and activations (L1) are asked for; 0: none
+
+    def __str__(self) -> str:
+        return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)}"
+                + (f" prefetch={self.prefetch}" if self.prefetch else ""))
+
+    def rows_per_cta(self) -> int:
+        return 16 * self.rtiles * self.warps
+
+
+# Batch rows up to which the residual term runs: on the H200 (benchmarks/mma_gemm.py, docs/benchmarks.md) it
+# costs 1.1-1.6x the plain kernel there and still beats the route it replaces at every shape; plain int8
+# activations (error ~6.5e-3 against float32, the served int8 prefill route's kind) above.
+RESIDUAL_MAX_M = 8
+
+
+def default_config(m: int, n: int, k: int) -> MmaConfig | None:
+    """The configuration for m rows through a layer of N outputs and K inputs; None where the kernel does
+    not apply (K not whole groups, N not whole CTA tiles, m outside 1..MAX_ROWS). Four warps of one row tile
+    (more warps, two row tiles and prefetching were no faster, docs/benchmarks.md). K slices, from the H200
+    sweep of splits 1-8 at every shape: up to RESIDUAL_MAX_M rows, the fewest that give >= 440 CTAs (gate_up
+    2, qkv and GDN-in 4, down, o_proj and GDN-out 8: each the sweep's best or within 3 % of it); above, 4."""
+    if k % GROUP or not 1 <= m <= MAX_ROWS:
+        return None
+    residual = m <= RESIDUAL_MAX_M
+    cfg = MmaConfig(warps=4, rtiles=1, split=1, residual=residual)
+    if n % cfg.rows_per_cta():
+        return None
+    ctas, groups = n // cfg.rows_per_cta(), k // GROUP
+    split = 1
+    while (ctas * split < 440 if residual else split < 4) and groups // (split * 2) >= 3:
+        split *= 2
+    return MmaConfig(cfg.warps, cfg.rtiles, split, residual)
+
+
+def template(tiles: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
+    """The kernel instance's C++ name (NVRTC name expression)."""
+    return (f"ternary_mma<{tiles}, {config.rtiles}, {config.warps}, {str(config.residual).lower()}, "
+            f"{_OUT[out_dtype]}, {config.prefetch}>")
+
+
+@functools.cache
+def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
+    """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name. Host only (no GPU
+    needed, any thread): make compile-check calls it for sm_90 and sm_120."""
+    from torch.cuda._utils import _nvrtc_compile
+
+    return _nvrtc_compile(SOURCE.read_text(), name, capability)
+
+
+@functools.cache
+def _load(name: str, capability: str, device_index: int):
+    from torch.cuda._utils import _cuda_load_module
+
+    cubin, mangled = compile_instance(name, capability)
+    with torch.cuda.device(device_index):  # the module belongs to this device's context
+        return _cuda_load_module(cubin, [mangled])[mangled]
+
+
+def kernel(tiles: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
+    """The loaded instance for `tiles` column tiles of 8 rows on `device`'s GPU (compiled once per process)."""
+    index = torch.device(device).index or 0
+    major, minor = torch.cuda.get_device_capability(index)
+    return _load(template(tiles, config, out_dtype), f"{major}{minor}", index)
+
+
+def _slices(groups: int, split: int) -> tuple[int, int]:
+    """(groups per K slice, number of slices)."""
+    per = -(-groups // split)
+    return per, -(-groups // per)
+
+
+def reserve(device: torch.device | str, n: int, k: int, config: MmaConfig, rows: int = MAX_ROWS) -> None:
+    """Grow the shared split-K workspace (dp4a's: the layers run one after another on one stream) for this
+    layer's calls of up to `rows` rows, at load time, so that no call (nor a CUDA-graph capture) allocates."""
+    from bonsai_vllm.ternary.kernels.dp4a import shared_workspace
+
+    _, splits = _slices(k // GROUP, config.split)
+    shared_workspace(device).get(splits * rows * n if splits > 1 else 1, n // config.rows_per_cta())
+
+
+def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: MmaConfig, workspace,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales fp16
+    [N, K/128]) applied to the M rows of `act` (1 <= M <= 64); `out` may be any [M, N] view with unit stride
+    along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls)."""
+    n, kw = packed.shape
+    m = act.rows
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"mma.gemm: {m} rows; the kernel takes 1 to {MAX_ROWS}")
+    if kw % 8 or n % config.rows_per_cta():
+        raise ValueError(f"mma.gemm: N = {n}, K = {kw * 16} do not fit {config} (N a multiple of "
+                         f"{config.rows_per_cta()}, K of {GROUP})")
+    y = torch.empty(m, n, dtype=torch.float32, device=packed.device) if out is None else out.view(m, n)
+    if y.stride(1) != 1:
+        raise ValueError("mma.gemm: out needs unit stride along N")
+    per, splits = _slices(kw // 8, config.split)
+    tiles = -(-m // 8)
+    ctas = n // config.rows_per_cta()
+    partials, counters = workspace.get(splits * m * n if splits > 1 else 1, ctas)
+    fn = kernel(tiles, config, y.dtype, packed.device)
+    fn(grid=(ctas, splits, 1), block=(32 * config.warps, 1, 1),
+       args=[packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
+             y.stride(0)])
+    return y
+
+
+def gemm_reference(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor,
+                   residual: bool = True) -> torch.Tensor:
+    """The kernel's maths in torch: y float32 [M, N]; without `residual`, x8 alone (the r8 term dropped).
+
+    Per group the integer sums Σ u·x8 are exact in float32 (|sum| <= 2 · 127 · 128 < 2^24), so one batched
+    float32 matmul per group computes them on any device; only the float32 scaling differs from the kernel's
+    order (relative ~1e-7)."""
+    n, kw = packed.shape
+    m, groups = act.rows, kw // 8
+    shifts = torch.arange(16, device=packed.device, dtype=torch.int32) * 2
+    u = ((packed.unsqueeze(-1) >> shifts) & 3).to(torch.float32).view(n, groups, GROUP)  # [N, G, 128]
+
+    def group_sums(planar: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:  # -> [G, M, N]
+        x8 = unplanar(planar).to(torch.float32).view(m, groups, GROUP).transpose(0, 1)  # [G, M, 128]
+        return torch.bmm(x8, u.permute(1, 2, 0)) - sums.t().to(torch.float32)[:, :, None]
+
+    v = act.s[:, 0].t()[:, :, None] * group_sums(act.xa, act.gx)  # [G, M, N]
+    if residual:
+        v = v + act.s[:, 1].t()[:, :, None] * group_sums(act.xr, act.gr)
+    return (scales.t().to(torch.float32)[:, None, :] * v).sum(0)

@@ -1,0 +1,104 @@
+"""The int8 tensor-core route for 3-16 rows (ternary/kernels/mma.py, mma.cu) where no GPU is: its torch reference
+against dp4a's and the float32 layer, its configuration rule at the 27B's shapes, and the dispatch.
+
+The kernel itself runs only on CUDA: `make gpu-check` (every layer, 3-16 rows, through ternary_linear) and
+`python -m benchmarks.mma_gemm` (every configuration against gemm_reference) check it there; here
+tests/core/test_compile_check.py compiles it with NVRTC for sm_90 and sm_120.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from bonsai_vllm.ternary.format import pack_ternary
+from bonsai_vllm.ternary.reference import dequantize
+
+LAYERS = {"gate_up": (5120, 17408), "down": (8704, 5120), "qkv": (5120, 7168), "o_proj": (3072, 5120),
+          "gdn_in": (5120, 8192), "gdn_out": (3072, 5120), "lm_head": (5120, 124160)}
+
+
+def _layer(n: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    packed = pack_ternary(torch.randint(-1, 2, (n, k), generator=g))
+    scales = (0.01 + 0.04 * torch.rand(n, k // 128, generator=g)).half()
+    return packed, scales, g
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture
+def kern():
+    """The kernel modules, imported when a test runs: importing Triton at collection, before the interpreted
+    kernel test modules switch TRITON_INTERPRET on, breaks them (docs/dev-notes.md)."""
+    from bonsai_vllm.ternary.kernels import dp4a, linear, mma
+
+    return types.SimpleNamespace(dp4a=dp4a, linear=linear, mma=mma)
+
+
+@pytest.mark.parametrize("m", [1, 3, 11])
+def test_reference_is_dp4as_integer_maths(m, kern):
+    packed, scales, g = _layer(96, 1024, seed=m)
+    act = kern.dp4a.prepare_reference(torch.randn(m, 1024, generator=g))
+    # the same integer sums, batched per group: only float32 rounding of the scaling differs
+    assert rel(kern.mma.gemm_reference(act, packed, scales, residual=True), kern.dp4a.gemv_reference(act, packed, scales)) < 1e-6
+
+
+def test_residual_and_plain_errors_against_float32(kern):
+    packed, scales, g = _layer(128, 2048, seed=7)
+    x = torch.randn(12, 2048, generator=g)
+    act = kern.dp4a.prepare_reference(x)
+    want = x @ dequantize(packed, scales, 128).t()
+    with_residual = rel(kern.mma.gemm_reference(act, packed, scales, residual=True), want)
+    plain = rel(kern.mma.gemm_reference(act, packed, scales, residual=False), want)
+    # x as s1·x8 + s2·r8 is exact to ~1e-5; x8 alone is int8 per group of 128 (the H200 measured 6.4-6.6e-3)
+    assert with_residual < 1e-4
+    assert 2e-3 < plain < 1e-2
+
+
+def test_default_config_at_the_27bs_shapes(kern):
+    splits = {name: [kern.mma.default_config(m, n, k).split for m in (3, 8, 9, 16)] for name, (k, n) in LAYERS.items()}
+    # the H200 sweep's choice (docs/benchmarks.md): >= 440 CTAs up to 8 rows, four K slices above
+    assert splits == {"gate_up": [2, 2, 4, 4], "down": [8, 8, 4, 4], "qkv": [4, 4, 4, 4], "o_proj": [8, 8, 4, 4],
+                      "gdn_in": [4, 4, 4, 4], "gdn_out": [8, 8, 4, 4], "lm_head": [1, 1, 4, 4]}
+    for m in range(1, 17):
+        assert kern.mma.default_config(m, 5120, 5120).residual == (m <= kern.mma.RESIDUAL_MAX_M)
+    assert kern.mma.default_config(3, 5120, 5120 + 64) is None  # K not whole scale groups
+    assert kern.mma.default_config(3, 5120 + 16, 5120) is None  # N not whole CTA tiles (64 rows)
+    assert kern.mma.default_config(kern.mma.MAX_ROWS + 1, 5120, 5120) is None
+
+
+def test_template_names_the_instance(kern):
+    cfg = kern.mma.MmaConfig(warps=4, rtiles=1, split=8, residual=True)
+    # the split is a launch argument: two splits share one compiled instance
+    assert kern.mma.template(2, cfg, torch.bfloat16) == "ternary_mma<2, 1, 4, true, 1, 0>"
+    assert kern.mma.template(2, kern.mma.MmaConfig(4, 1, 2, True), torch.bfloat16) == kern.mma.template(2, cfg, torch.bfloat16)
+    assert kern.mma.template(8, kern.mma.MmaConfig(8, 2, 1, False, 4), torch.float32) == "ternary_mma<8, 2, 8, false, 0, 4>"
+
+
+def test_route_takes_mma_between_dp4a_and_the_gemv(kern):
+    packed, scales, _ = _layer(128, 1024, seed=1)
+    tw = kern.linear.prepare(packed, scales, torch.ones(1024))
+    assert tw.mma is None  # CPU tensors: the CUDA kernel is never prepared
+    tw.dp4a = tuple(kern.dp4a.default_config(128, 1024, r) for r in range(1, kern.linear.DP4A_MAX_M + 1))
+    tw.mma = tuple(kern.mma.default_config(r, 128, 1024) for r in range(1, kern.linear.MMA_MAX_M + 1))
+    paths = {m: kern.linear.route(m, tw).path for m in (1, 2, 3, 8, 16, 17, 64, 65)}
+    assert paths == {1: "dp4a", 2: "dp4a", 3: "mma", 8: "mma", 16: "mma", 17: "gemv", 64: "gemv", 65: "int8"}
+    assert kern.linear.route(9, tw).config == tw.mma[8] and not tw.mma[8].residual and tw.mma[7].residual
+    tw.w_int8 = torch.empty(0, dtype=torch.int8)  # W8 kept: its int8 GEMM keeps 3-16 rows
+    assert kern.linear.route(3, tw).path == "int8"
+    assert kern.linear.route(3, tw, triton_ok=False).path == "reference"
+
+
+def test_gemm_refuses_what_it_cannot_take(kern):
+    packed, scales, g = _layer(64, 1024, seed=2)
+    cfg = kern.mma.default_config(3, 64, 1024)
+    with pytest.raises(ValueError, match="rows"):
+        kern.mma.gemm(kern.dp4a.prepare_reference(torch.randn(65, 1024, generator=g)), packed, scales, cfg, None)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        kern.mma.gemm(kern.dp4a.prepare_reference(torch.randn(3, 1024, generator=g)), packed, scales,
+                 kern.mma.MmaConfig(warps=4, rtiles=2, split=1, residual=True), None)
