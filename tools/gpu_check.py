@@ -160,17 +160,19 @@ class Checker:
                 tws[w8] = [linear.prepare(pack_ternary(codes[:, r * width:(r + 1) * width].contiguous()),
                                           scales[:, r * width // 128:(r + 1) * width // 128].contiguous(),
                                           signs[r * width:(r + 1) * width], expand_int8=w8) for r in range(ranks)]
-            # The GEMV at decode rows as BONSAI_DP4A_GEMV=0 serves them (the default is the dp4a GEMV)
-            tws["fma"] = [linear.prepare(t.packed, t.scales, t.signs, dp4a=False) for t in tws[False]]
+            # The GEMV at decode rows as BONSAI_DP4A_GEMV=0 / BONSAI_MMA_GEMM=0 serve them (the defaults are
+            # the dp4a GEMV and the mma kernel)
+            tws["fma"] = [linear.prepare(t.packed, t.scales, t.signs, dp4a=False, mma=False) for t in tws[False]]
             del codes
             rows = self.sz.lm_head_rows if name == "lm_head" else self.sz.decode_rows + self.sz.prefill_rows
             for w8 in (False, True):
                 for m in rows:
                     self.guard("linear", f"{name} M={m}", self._linear_case, name, m, k_full, n, signs, w_full,
                                plans, tws[w8], linear, signed_block_hadamard)
-            for m in range(1, linear.DP4A_MAX_M + 1):  # the rows the dp4a route takes, on the route it replaced
-                self.guard("linear", f"{name} M={m} BONSAI_DP4A_GEMV=0", self._linear_case, name, m, k_full, n,
-                           signs, w_full, plans, tws["fma"], linear, signed_block_hadamard)
+            for m in (*range(1, linear.DP4A_MAX_M + 1), 3, 16):  # rows of the dp4a and mma routes, on the
+                # routes they replaced
+                self.guard("linear", f"{name} M={m} BONSAI_DP4A_GEMV=0 BONSAI_MMA_GEMM=0", self._linear_case,
+                           name, m, k_full, n, signs, w_full, plans, tws["fma"], linear, signed_block_hadamard)
             del tws, w_full
             self.empty_cache()
 
@@ -198,10 +200,12 @@ class Checker:
             y = ys[0].float() + ys[1].float()
         rt = linear.route(m, tws[0])
         bound = (3e-3 if rt.path == "dp4a" or (rt.path == "gemv" and rt.config.variant == "fma")
-                 else (5e-3 if rt.path == "gemv" else 2e-2))
+                 or (rt.path == "mma" and rt.config.residual)
+                 else (5e-3 if rt.path == "gemv" else 1e-2 if rt.path == "mma" else 2e-2))
         cut = ", cut block" if plans[0].cut else ""
         label = f"{name} {width}->{n}" + (f" (2 ranks{cut}, summed)" if ranks == 2 else "")
-        label += f", W8 {'kept' if tws[0].w_int8 is not None else 'not kept'}" + (", dp4a" if rt.path == "dp4a" else "")
+        label += f", W8 {'kept' if tws[0].w_int8 is not None else 'not kept'}" + (
+            f", {rt.path}" if rt.path in ("dp4a", "mma") else "")
         self.add("linear", f"{label} M={m}", str(rt), rel_err(y, y_ref), self.bf16_bound(bound))
 
     # ------------------------------------------------------------------------------------- K3V2

@@ -159,6 +159,11 @@ SETTINGS: tuple[Setting, ...] = (
             "row, 1.06-1.41x at two) instead of the fma GEMV. 0: the fma GEMV. make gpu-check passed it at every "
             "real shape on the H200 (2026-12-01, docs/benchmarks.md, issue 19).",
             "ternary/kernels/linear.py"),
+    Setting("BONSAI_MMA_GEMM", "bool", True,
+            "Decode batches of 3 to 16 rows (several users; MTP verify rows) on CUDA through the int8 "
+            "tensor-core kernel that decodes the codes in registers (ternary/kernels/mma.cu, compiled by NVRTC "
+            "at load; on the H200 1.1-2.5x the tensor-core GEMV it replaces). 0: that GEMV (issue 19).",
+            "ternary/kernels/linear.py"),
     # ---- the K3V2 KV cache (kv/, adapters/k3v2_attention.py; docs/kv-cache.md)
     Setting("BONSAI_K3V2_PREFILL_KERNEL", "bool", True,
             "K3V2 prefill rows on CUDA through the Triton decode kernel; 0: the chunked torch route",

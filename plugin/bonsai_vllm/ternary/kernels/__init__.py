@@ -1,4 +1,5 @@
-"""Triton kernels for the hot paths of a prism_ternary layer on NVIDIA GPUs (H200 sm_90, RTX 50 sm_120).
+"""Triton kernels (and one CUDA C kernel, mma.cu) for the hot paths of a prism_ternary layer on NVIDIA GPUs
+(H200 sm_90, RTX 50 sm_120).
 
 The PyTorch reference in `ternary.reference` / `ternary.reference` stays the judge: every kernel here sits beside
 the reference function it must match (tests/core/test_kernels.py, and on a GPU `python -m
@@ -20,9 +21,12 @@ Forward (`apply`)::
     y = ternary_linear(x, layer.prism, bias=bias)             # x [..., K] unrotated, K % 1024 == 0
     y = ternary_linear(xr, layer.prism, rotated=True)         # xr = ternary.partition.rotate_partition(...)
 
+    M <= 2 rows          -> rotation + dp4a prep, the dp4a GEMV (dp4a.py)
+    M <= 16 rows, CUDA   -> the same prep, the int8 tensor-core kernel on the codes (mma.py / mma.cu, NVRTC)
     M <= GEMV_MAX_M rows -> block_hadamard + ternary_gemv (codes read once, decoded in registers)
     larger M             -> quantize_per_token (rotation fused) + int8 matmul (int_mm + rescale, or int8_gemm)
     CPU / no Triton      -> the reference maths (float32)
+    (linear.py's docstring has the exact rule and the switches)
 
 Building blocks (all take `out=` so callers and tests can pass preallocated / poisoned buffers):
 

@@ -10,6 +10,9 @@ Dispatch (by batch rows M = x.numel() / K and by device):
 - M <= `DP4A_MAX_M` (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a
   (int8 bytes of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the
   dp4a GEMV (dp4a.py), which stores y in x's dtype: two launches;
+- M <= `MMA_MAX_M` (BONSAI_MMA_GEMM, on by default; CUDA tensors only: the kernel is CUDA C compiled by
+  NVRTC): the same activation prep as dp4a, then the int8 tensor-core kernel decoding the codes in
+  registers (mma.cu; issue 19): two launches;
 - M <= `GEMV_MAX_M` (2; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
   reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches (three
   for gate_up at M = 1, whose split-K sums its partials in a second small launch);
@@ -32,6 +35,7 @@ if TYPE_CHECKING:  # the kernel modules are imported lazily (they define @triton
     from bonsai_vllm.ternary.kernels.dp4a import Dp4aConfig
     from bonsai_vllm.ternary.kernels.gemv import GemvConfig
     from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig
+    from bonsai_vllm.ternary.kernels.mma import MmaConfig
 
 GROUP_SIZE = 128
 BLOCK = 1024
@@ -49,6 +53,9 @@ GEMV_MAX_M_NO_W8 = 64
 # one row, and two (one user's step with MTP on); from three rows the tensor-core GEMV is faster (H200,
 # benchmarks/dp4a_gemv.py, docs/benchmarks.md).
 DP4A_MAX_M = 2
+# Batch rows up to which the int8 tensor-core kernel (mma.py) runs on CUDA: on the H200 it beat the `gemv dot`
+# route at 3-16 rows on every shape (1.1-2.5x) and lost to it on gate_up and qkv at 32 (docs/benchmarks.md).
+MMA_MAX_M = 16
 
 
 @dataclass
@@ -65,6 +72,9 @@ class TernaryWeights:
     # the dp4a GEMV's config for 1, 2, ... rows (prepare's switch; DP4A_MAX_M of them): M <= len(dp4a) rows
     # take the dp4a route; None: never
     dp4a: tuple[Dp4aConfig, ...] | None = None
+    # the mma kernel's config for 1, 2, ... rows (MMA_MAX_M of them; rows the dp4a route takes go there):
+    # prepared on CUDA when BONSAI_MMA_GEMM is on and the shape allows; None: never
+    mma: tuple[MmaConfig, ...] | None = None
 
     @property
     def out_features(self) -> int:
@@ -80,13 +90,15 @@ class TernaryWeights:
 
 
 def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None = None, *,
-            block: int = BLOCK, expand_int8: bool = False, dp4a: bool | None = None) -> TernaryWeights:
+            block: int = BLOCK, expand_int8: bool = False, dp4a: bool | None = None,
+            mma: bool | None = None) -> TernaryWeights:
     """Build the layer state once at load time (same device as `packed`).
 
     `expand_int8=True` keeps W8 = code · q (1 byte per weight) for the prefill matmul; leave it False where
     memory is short (2 × 12 GB cards: the 27B's W8 would be 13.5 GB per rank) and W8 is expanded per call.
     `dp4a`: one-token rows through the dp4a GEMV where Triton runs and the shape allows (None: the
-    BONSAI_DP4A_GEMV switch); its shared workspace is reserved here, not during a call.
+    BONSAI_DP4A_GEMV switch); its shared workspace is reserved here, not during a call. `mma`: 3 to MMA_MAX_M
+    rows through the int8 tensor-core kernel on CUDA (None: BONSAI_MMA_GEMM); its instances are compiled here.
     """
     n, kw = packed.shape
     k = kw * 16
@@ -115,6 +127,19 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
             tw.dp4a = configs
             for rows, config in enumerate(configs, 1):
                 dp4a_kernels.reserve(packed.device, n, config, kw, rows)
+    if mma is None:
+        from bonsai_vllm import settings
+
+        mma = settings.get("BONSAI_MMA_GEMM")
+    if mma and packed.is_cuda:
+        from bonsai_vllm.ternary.kernels import mma as mma_kernels
+
+        configs = tuple(mma_kernels.default_config(rows, n, k) for rows in range(1, MMA_MAX_M + 1))
+        if None not in configs:
+            tw.mma = configs
+            mma_kernels.reserve(packed.device, n, k, configs[-1], MMA_MAX_M)
+            for rows in range(DP4A_MAX_M + 1, MMA_MAX_M + 1):  # compiled and loaded now, not inside a capture
+                mma_kernels.kernel(-(-rows // 8), configs[rows - 1], torch.bfloat16, packed.device)
     return tw
 
 
@@ -142,17 +167,18 @@ def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.T
 @dataclass(frozen=True)
 class Route:
     """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "dp4a" (config: the
-    dp4a.Dp4aConfig the layer was prepared with for that many rows), "gemv" (config: the
+    dp4a.Dp4aConfig the layer was prepared with for that many rows), "mma" (config: the layer's
+    mma.MmaConfig for that many rows), "gemv" (config: the
     gemv.GemvConfig of gemv.default_config) or "int8" (config: the int8mm.Int8GemmConfig of
     int8mm.default_config; w8: "kept" at load or "expanded" per call). make gpu-check prints it beside each
     case."""
 
     path: str
-    config: GemvConfig | Int8GemmConfig | Dp4aConfig | None = None
+    config: GemvConfig | Int8GemmConfig | Dp4aConfig | MmaConfig | None = None
     w8: str = ""
 
     def __str__(self) -> str:
-        if self.path in ("gemv", "dp4a"):
+        if self.path in ("gemv", "dp4a", "mma"):
             return f"{self.path} {self.config}"
         if self.path == "int8":
             return f"int8 {self.config}, W8 {self.w8}"
@@ -165,6 +191,8 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
         return Route("reference")
     if tw.dp4a is not None and m <= len(tw.dp4a):
         return Route("dp4a", tw.dp4a[m - 1])
+    if tw.mma is not None and m <= len(tw.mma) and tw.w_int8 is None:  # with W8 kept its int8 GEMM stays
+        return Route("mma", tw.mma[m - 1])
     if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
         from bonsai_vllm.ternary.kernels import gemv
 
@@ -194,15 +222,20 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
     r = route(m, tw, usable(x))
     if r.path == "reference":
         return _reference(x, tw, rotated, bias)
-    if r.path == "dp4a":
+    if r.path in ("dp4a", "mma"):
         from bonsai_vllm.ternary.kernels import dp4a
         from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a
 
-        # rotation and prep in one kernel (or the prep alone when x comes rotated); the GEMV stores y in
+        # rotation and prep in one kernel (or the prep alone when x comes rotated); the kernel stores y in
         # x's dtype itself unless a bias is added after it in float32
         act = dp4a.prepare(x2) if rotated else rotate_dp4a(x2, tw.signs, tw.block)
         y = torch.empty(m, tw.out_features, dtype=x.dtype if bias is None else torch.float32, device=x.device)
-        dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
+        if r.path == "dp4a":
+            dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
+        else:
+            from bonsai_vllm.ternary.kernels import mma
+
+            mma.gemm(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
         if bias is not None:
             y = (y + bias.float()).to(x.dtype)
     elif r.path == "gemv":
