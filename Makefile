@@ -39,7 +39,7 @@ SERVER_PORT ?= $(or $(call dotenv,SERVER_PORT),8000)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
+.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui \
 	server upstream-key lan-server lan-server-remove bench-scale-out mtp-collect mtp-extract mtp-train
 
@@ -257,6 +257,9 @@ bench-kernels: ## check, then time the Triton kernels at the 27B's TP=2 shapes (
 
 bench-decode: ## decode GEMV candidates (split-K fma, multi-row fma, int8 BM=16) side by side at M = 1…16 (CUDA GPU)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.decode --out .cache/bench-decode $(BENCH_ARGS)
+
+bench-mma: ## the 3-16-row int8 tensor-core kernel (mma.cu): every config checked, then timed against the route it replaced and bf16 (CUDA GPU)
+	PYTHONPATH=plugin $(PYTHON) -m benchmarks.mma_gemm --out .cache/bench-mma $(BENCH_ARGS)
 
 bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) at the 27B's shapes (CUDA GPU)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.kv --out .cache/bench-kv $(BENCH_ARGS)

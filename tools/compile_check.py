@@ -13,7 +13,9 @@ the K3V2 store, decode, merge and the prefill sub-rows; issue 19's dp4a GEMV) wi
 that names the target and never launches: each `kernel[grid](...)` becomes a warm-up compile, through
 Triton's own specialization, to PTX and then a cubin by the ptxas Triton ships. For every compiled kernel
 it reports shared memory, registers and spilled bytes (ptxas -v), and whether the launch fits the target.
-Output values are garbage (nothing runs); only the compiled code is looked at. The package holds
+Output values are garbage (nothing runs); only the compiled code is looked at. The CUDA C kernel
+(ternary/kernels/mma.cu, compiled by NVRTC at load) is compiled the same way NVRTC does it at load, for each
+target, every instance the dispatch launches; cuobjdump reads its resources. The package holds
 the kernels the dispatch launches, and ternary.kernels.dp4a, checked on the GPU and on its way to being
 launched (measured-only variants are in benchmarks/); every one is compiled: `tests/core/test_compile_check.py`
 runs this in CI and fails when a kernel is added without being driven here.
@@ -30,6 +32,7 @@ import re
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -216,6 +219,39 @@ def drive_dp4a() -> None:
 
 DRIVERS = {"ternary": drive_ternary, "allreduce": drive_allreduce, "kv": drive_kv, "dp4a": drive_dp4a}
 
+_RESOURCES = re.compile(r"REG:(?P<regs>\d+) STACK:(?P<stack>\d+) SHARED:(?P<shared>\d+) LOCAL:(?P<local>\d+)")
+
+
+def compile_cuda(capability: int) -> list[Compiled]:
+    """The CUDA C kernels (ternary/kernels/mma.cu), which NVRTC compiles at load: every instance the dispatch
+    launches at the six layers' shapes (the rows of the mma route, y in bf16 and in float32 for a bias), as a
+    cubin for `capability`; registers, stack (spills) and static shared memory read by Triton's cuobjdump."""
+    import subprocess
+
+    import triton
+
+    from bonsai_vllm.ternary.kernels import linear, mma
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    instances = {}  # template name -> config (the K split is a launch argument, not part of the instance)
+    for k, n in LAYERS.values():
+        for m in range(linear.DP4A_MAX_M + 1, linear.MMA_MAX_M + 1):
+            config = mma.default_config(m, n, k)
+            for dt in (torch.bfloat16, torch.float32):
+                instances[mma.template(-(-m // 8), config, dt)] = config
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in sorted(instances.items()):
+            cubin, _ = mma.compile_instance(name, str(capability))
+            path = Path(tmp) / "k.cubin"
+            path.write_bytes(cubin)
+            report = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(path)], capture_output=True,
+                                    text=True, check=True).stdout
+            m = _RESOURCES.search(report)
+            out.append(Compiled("ternary_mma", capability, config.warps, 0, int(m.group("shared")),
+                                int(m.group("regs")), int(m.group("stack")) + int(m.group("local")), name))
+    return out
+
 
 def run(targets: list[int]) -> list[Compiled]:
     results: list[Compiled] = []
@@ -223,6 +259,7 @@ def run(targets: list[int]) -> list[Compiled]:
         for name, drive in DRIVERS.items():
             with compile_only(cc, results):
                 drive()
+        results += compile_cuda(cc)
     return results
 
 

@@ -1,7 +1,8 @@
-"""Every Triton kernel compiles for sm_90 (H200) and sm_120 (RTX 50) at the 27B's shapes and fits both
-targets' shared-memory and register limits (tools.compile_check; no GPU: Triton's compiler and
-its bundled ptxas, under a stand-in driver that never launches). Run in a subprocess: the kernel test
-modules of this session import the kernels under Triton's interpreter."""
+"""Every Triton kernel, and every instance of the CUDA C kernel NVRTC compiles at load, compiles for sm_90 (H200)
+and sm_120 (RTX 50) at the 27B's shapes and fits both targets' shared-memory and register limits
+(tools.compile_check; no GPU: Triton's compiler and its bundled ptxas under a stand-in driver that never
+launches, and NVRTC from PyTorch's CUDA wheels). Run in a subprocess: the kernel test modules of this session
+import the kernels under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ PACKAGE = REPO / "plugin" / "bonsai_vllm"  # only dispatched kernels (measured-o
 
 
 def launchable_kernels() -> set[str]:
-    """Names of the @triton.jit functions the wrappers launch (by convention *_kernel) in the package's sources."""
+    """Names of the @triton.jit functions the wrappers launch (by convention *_kernel) in the package's sources,
+    and of the __global__ functions of its CUDA C files (NVRTC compiles them at load)."""
     names = set()
     for path in PACKAGE.rglob("*.py"):
         names |= set(re.findall(r"@triton\.jit(?:\([^)]*\))?\s*\n\s*def (_\w+_kernel)\(", path.read_text()))
+    for path in PACKAGE.rglob("*.cu"):
+        names |= set(re.findall(r"__global__\s+void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\(", path.read_text()))
     return names
 
 
