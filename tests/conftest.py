@@ -105,8 +105,9 @@ def dense_server(ternary_checkpoints):
 
 @pytest.fixture(scope="session")
 def ternary_server(ternary_checkpoints):
-    """Our plugin serving the ternary checkpoint at TP=1."""
-    with VllmServer(ternary_checkpoints["ternary"]) as srv:
+    """Our plugin serving the ternary checkpoint at TP=1, with vLLM's compiled forward: dynamo traces the
+    ternary layers' custom op as vLLM does in production (other test servers run eager: devserver)."""
+    with VllmServer(ternary_checkpoints["ternary"], compiled=True) as srv:
         yield srv
 
 

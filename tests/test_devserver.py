@@ -1,4 +1,5 @@
-"""The test servers' environment: what the test process switched on for itself must not reach vLLM.
+"""The test servers' environment: what the test process switched on for itself must not reach vLLM; and their
+mode (eager unless a test asks for vLLM's compiled forward).
 
 CI on 2026-11-29 hung starting the ternary server: the kernel tests had left TRITON_INTERPRET=1 in the
 session's environment and the server inherited it. Two guards, each tested here: the kernel modules'
@@ -45,3 +46,10 @@ def test_two_kernel_modules_restore_the_sessions_value(monkeypatch):
     interpreter_scope.restore(["bonsai_vllm.ternary.kernels.not_a_module"])
     assert os.environ["TRITON_INTERPRET"] == "0"
 
+
+
+def test_servers_run_eager_unless_compiled(tmp_path):
+    assert "--enforce-eager" in VllmServer(tmp_path, port=1).command()
+    assert "--enforce-eager" not in VllmServer(tmp_path, port=1, compiled=True).command()
+    once = VllmServer(tmp_path, ["--enforce-eager"], port=1).command()
+    assert once.count("--enforce-eager") == 1

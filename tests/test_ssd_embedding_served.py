@@ -198,15 +198,16 @@ def cold_share(tiny_model: Path, texts: list[str]) -> tuple[int, int]:
     return sum(i >= HOT for i in ids), len(ids)
 
 
+# Both compiled (dynamo traces the SSD embedding op as in production), so that "identical" compares one mode.
 @pytest.fixture(scope="module")
 def dense_tiny(tiny_model):
-    with VllmServer(tiny_model) as srv:
+    with VllmServer(tiny_model, compiled=True) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def ssd_tiny(tiny_model, tiny_export):
-    with VllmServer(tiny_model, env=ssd_env(tiny_export)) as srv:
+    with VllmServer(tiny_model, env=ssd_env(tiny_export), compiled=True) as srv:
         yield srv
 
 

@@ -64,7 +64,8 @@ def int8_to_bf16_error_ratio() -> float:
 
 
 def test_int8_all_reduce_on_matches_off(ternary_checkpoints, ternary_tp2, tp_noise_floor):
-    with VllmServer(ternary_checkpoints["ternary"], TP2, env=AR_ON) as on:
+    # compiled: dynamo traces the int8 all-reduce op and the half-block exchange at TP=2, as in production
+    with VllmServer(ternary_checkpoints["ternary"], TP2, env=AR_ON, compiled=True) as on:
         assert "int8 all-reduce on for payloads of >= 1 rows" in on.log_path.read_text(errors="replace")
         diff = logprob_difference(on.url, ternary_tp2.url)
     # int8 with per-128 scales is a coarser rounding than bf16's: the allowed difference is the bf16

@@ -3,6 +3,12 @@
 `VllmServer` runs `python -m vllm.entrypoints.openai.api_server` in its own process group, waits for
 `/health`, and always kills the whole group (API server, engine core, workers) on exit. Its log goes to a
 file so a failing test can show it (see `conftest.py`).
+
+Servers run eager (`--enforce-eager`) unless started with `compiled=True`. vLLM traces the model forward with
+dynamo even on CPU, and that trace took ~40 s of a ~90 s start on the 2-core test machine (2026-12-02), for
+every server; what it checks is that our layers trace (no `out=` buffers, opaque custom ops: docs/dev-notes.md),
+which a few compiled servers show: the ternary layers at TP=1 and TP=2 with the int8 all-reduce, the K3V2
+backend, the SSD embedding, and the MTP drafter under K3V2 at TP=2 (what `make up` serves).
 """
 
 from __future__ import annotations
@@ -65,9 +71,10 @@ class VllmServer:
 
     def __init__(self, model: Path | str, args: list[str] | None = None, *, env: dict[str, str] | None = None,
                  log_path: Path | None = None, served_name: str = "tiny", startup_timeout: float = 300.0,
-                 port: int | None = None):
+                 port: int | None = None, compiled: bool = False):
         self.model = str(model)
         self.args = list(args or [])
+        self.compiled = compiled  # False: --enforce-eager (see the module docstring)
         self.served_name = served_name
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -89,6 +96,7 @@ class VllmServer:
                 # keeps several servers within a 24 GiB machine.
                 "--kv-cache-memory-bytes", str(256 << 20),
                 "--max-model-len", "2048",
+                *([] if self.compiled or "--enforce-eager" in self.args else ["--enforce-eager"]),
                 *self.args]
 
     def start(self) -> "VllmServer":
