@@ -102,3 +102,28 @@ def test_gemm_refuses_what_it_cannot_take(kern):
     with pytest.raises(ValueError, match="multiple of 128"):
         kern.mma.gemm(kern.dp4a.prepare_reference(torch.randn(3, 1024, generator=g)), packed, scales,
                  kern.mma.MmaConfig(warps=4, rtiles=2, split=1, residual=True), None)
+
+
+def _nvrtc_or_skip():
+    from bonsai_vllm import nvrtc
+
+    try:
+        nvrtc._library()
+    except OSError as e:  # a CPU-only torch build carries no NVRTC
+        pytest.skip(f"no NVRTC here: {e}")
+    return nvrtc
+
+
+@pytest.mark.parametrize("arch", ["90", "120"])
+def test_nvrtc_compiles_the_served_instances_without_a_gpu(kern, arch):
+    nvrtc = _nvrtc_or_skip()
+    for m in (3, 16):
+        name = kern.mma.template(-(-m // 8), kern.mma.default_config(m, 17408, 5120), torch.bfloat16)
+        cubin, symbol = nvrtc.compile_cuda(kern.mma.SOURCE.read_text(), name, arch)
+        assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z11ternary_mma"), (name, symbol)
+
+
+def test_nvrtc_says_what_did_not_compile():
+    nvrtc = _nvrtc_or_skip()
+    with pytest.raises(nvrtc.NvrtcError, match=r"(?s)could not compile k for sm_90.*not_declared"):
+        nvrtc.compile_cuda("__global__ void k(int* a) { a[0] = not_declared; }", "k", "90")

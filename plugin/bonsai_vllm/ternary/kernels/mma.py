@@ -5,9 +5,9 @@ tile, behind barriers (docs/dev-notes.md: the codes GEMM at 88 µs against bf16'
 In `mma.cu` each thread decodes its own operand registers from the checkpoint's words (two instructions per
 four weights) and issues `mma.sync.m16n8k32.s8` itself; the file's first comment explains the layout.
 
-It is compiled at run time by NVRTC (`torch.cuda._compile_kernel`: the CUDA runtime compiler that PyTorch's
-CUDA wheels carry), for the GPU it runs on, once per template instance and process: the serving image needs
-no nvcc, and `make compile-check` compiles it for sm_90 and sm_120 on a machine without a GPU.
+It is compiled at run time by NVRTC (bonsai_vllm.nvrtc: the CUDA runtime compiler that PyTorch's CUDA wheels
+carry), for the GPU it runs on, once per template instance and process: the serving image needs no nvcc, and
+`make compile-check` compiles it for sm_90 and sm_120 on a machine without a GPU.
 
     act = dp4a.prepare(xr)                # or hadamard.rotate_dp4a(x, signs): the activations' int8 and scales
     y = gemm(act, packed, scales, config, workspace, out=y)
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bonsai_vllm import nvrtc
 from bonsai_vllm.ternary.kernels.dp4a import GROUP, Dp4aActivations, unplanar
 
 SOURCE = Path(__file__).with_name("mma.cu")
@@ -84,18 +85,12 @@ def template(tiles: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
     """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name. Host only (no GPU
     needed, any thread): make compile-check calls it for sm_90 and sm_120."""
-    from torch.cuda._utils import _nvrtc_compile
-
-    return _nvrtc_compile(SOURCE.read_text(), name, capability)
+    return nvrtc.compile_cuda(SOURCE.read_text(), name, capability)
 
 
 @functools.cache
 def _load(name: str, capability: str, device_index: int):
-    from torch.cuda._utils import _cuda_load_module
-
-    cubin, mangled = compile_instance(name, capability)
-    with torch.cuda.device(device_index):  # the module belongs to this device's context
-        return _cuda_load_module(cubin, [mangled])[mangled]
+    return nvrtc.load(*compile_instance(name, capability), device_index)
 
 
 def kernel(tiles: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
