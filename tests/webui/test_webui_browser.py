@@ -294,6 +294,14 @@ def chat_entries(gateway: Gateway, since: int = 0) -> list[dict]:
     return [e for e in gateway.log_entries()[since:] if e["path"] == "/v1/chat/completions"]
 
 
+def streamed_chat(gateway: Gateway, since: int) -> dict:
+    """The gateway's log line of the UI's streamed chat request after entry `since`. nginx writes it when the
+    stream ends, which is after the page shows the whole answer: the stream's last events (the finish
+    reason, [DONE]) come after the last token, one relay pace apart."""
+    return wait_for(lambda: next((e for e in chat_entries(gateway, since) if e["stream"]), None), timeout=30,
+                    what="the streamed chat request in the gateway's access log")
+
+
 # ------------------------------------------------------------------------------------------ the tests, in order
 
 def test_sign_in_and_the_served_model_is_preselected(browser, webui):
@@ -345,7 +353,7 @@ def test_answer_streams_in_with_the_reasoning_folded(browser, gateway, recorder)
     wait_for(lambda: SCRIPT_REASONING in last_response(browser)[0], what="the reasoning, opened")
     shot(browser, "04-reasoning-open")
     # The gateway streamed it: first byte long before the end (the UI's stream, not one buffered reply).
-    entry = next(e for e in chat_entries(gateway, seen) if e["stream"])
+    entry = streamed_chat(gateway, seen)
     assert entry["status"] == 200 and float(entry["upstream_first_byte_s"]) < entry["latency_s"]
 
 
@@ -409,7 +417,7 @@ def test_an_attached_image_reaches_the_model(browser, gateway, vllm, recorder, t
     send(browser, "Look.")
     wait_for_answer(browser)
     shot(browser, "06-image-answer")
-    chat = next(e for e in chat_entries(gateway, seen) if e["stream"])
+    chat = streamed_chat(gateway, seen)
     assert chat["bytes_in"] > len(url), "the UI's request does not carry the image"
     # The UI's own request, replayed: its image adds to the prompt exactly what it adds to a direct call.
     sent = [json.loads(b) for p, b in recorder.bodies[recorded:] if p == "/v1/chat/completions"]
