@@ -93,10 +93,10 @@ _PTXAS_SEEN: dict[str, tuple[int, int]] = {}
 
 
 @contextlib.contextmanager
-def compile_only(capability: int, results: list[Compiled]):
+def compile_only(capability: int, results: list[Compiled], cubins: dict | None = None):
     """Every `jit_fn[grid](...)` inside compiles for `capability` (fresh cache, ptxas -v captured) and
     returns without launching; `triton_runtime.usable` says yes to CPU tensors so dispatch takes the GPU
-    paths."""
+    paths. `cubins`, if given, collects each launch's compiled code by its position in `results`."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -118,6 +118,8 @@ def compile_only(capability: int, results: list[Compiled]):
             results.append(Compiled(fn.fn.__name__, capability, kernel.metadata.num_warps,
                                     kernel.metadata.num_stages, kernel.metadata.shared, regs, spill,
                                     json.dumps(consts, default=str)))
+            if cubins is not None:
+                cubins[len(results) - 1] = kernel.asm["cubin"]
             return kernel
         return launch
 

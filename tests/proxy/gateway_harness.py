@@ -132,9 +132,13 @@ class Gateway:
         return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
 
     def log_entries(self) -> list[dict]:
+        """The complete lines of the access log. A read can meet a line nginx is still writing (two workers,
+        one file: a JSONDecodeError once under load, 2026-12-02); it counts as not written yet."""
         if not self.access_log.exists():
             return []
-        return [json.loads(line) for line in self.access_log.read_text().splitlines() if line.strip()]
+        text = self.access_log.read_text()
+        lines = text.splitlines(keepends=True)
+        return [json.loads(line) for line in lines if line.endswith("\n") and line.strip()]
 
     def next_log_entry(self, seen: int, timeout: float = 5.0) -> dict:
         """The first access-log line after the `seen` ones already there. nginx writes it in the log phase,
