@@ -25,7 +25,6 @@ cuBLAS, as CUDA-graph replays over weight copies that miss L2. Prints one table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -195,9 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, k, n in (s for s in SHAPES if s[0] in args.shapes.split(",")):
         bench_shape(name, k, n, bw, l2, start, args.budget, rows, failures)
         torch.cuda.empty_cache()  # this shape's weight copies are gone with bench_shape's frame
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "codes-gemm.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
     lines = ["| layer | M | ours µs (quantize + gemm) | served no-W8 µs | × vs no-W8 | bf16 µs | × vs bf16 | "
              "served W8-kept µs | floor µs | config | error vs float32 |", "|" + "---|" * 11]
     for r in rows:
@@ -205,10 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['served_no_w8_us'] / r['ours_us']:.2f} | {r['bf16_us']:.1f} | {r['bf16_us'] / r['ours_us']:.2f} | "
                      f"{r['served_w8_us']:.1f} | {r['floor_us']:.1f} | {CodesGemmConfig(**r['config'])} | "
                      f"{r['judge_err']:.1e} |")
-    (out / "codes-gemm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print("\n## check failures\n" + ("\n".join(failures) if failures else "none"))
-    return 1 if failures else 0
+    return bk.report(Path(args.out), "codes-gemm", {"rows": rows}, lines, failures)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ the GPU, with compiled PTX dp4a:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -121,9 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         for m in MULTI_ROWS:
             multi.append(bench_rows(name, k, n, m, rotated, signs, w_ref, tern, tws, tws_dp4a, dense, ws, copies,
                                     floor, failures, linear))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "dp4a-gemv.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
     lines = ["| layer | dp4a µs | % of copy bw | prep + dp4a µs | served (dp4a) µs | served fma µs | × fma | "
              "% of copy bw (served) | bf16 µs | × bf16 (served) | error vs float32 (GEMV; served, bf16 out) | "
              "best config | served config |", "|" + "---|" * 13]
@@ -141,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['today_us']:.2f} | {r['today_us'] / r['served_dp4a_us']:.2f} | {r['bf16_us']:.2f} | "
                      f"{r['bf16_us'] / r['served_dp4a_us']:.2f} | {100 * r['floor_us'] / r['served_dp4a_us']:.0f} | "
                      f"{r['err']:.1e} | {r['best']} | {r['default']} | {r['today_route']} |")
-    (out / "dp4a-gemv.json").write_text(json.dumps({"rows": rows, "multi": multi, "failures": failures}, indent=1))
-    (out / "dp4a-gemv.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print("\n## check failures\n" + ("\n".join(failures) if failures else "none"))
-    return 1 if failures else 0
+    return bk.report(Path(args.out), "dp4a-gemv", {"rows": rows, "multi": multi}, lines, failures)
 
 
 def bench_rows(name, k, n, m, rotated, signs, w_ref, tern, tws, tws_dp4a, dense, ws, copies, floor, failures,

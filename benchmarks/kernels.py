@@ -89,6 +89,17 @@ FAILURES: list[str] = []
 LOG: list[str] = []
 
 
+def report(out: Path, stem: str, data: dict, lines: list[str], failures: list[str]) -> int:
+    """The end of a check-then-time benchmark: `data` as out/stem.json, the table `lines` as out/stem.md and on
+    stdout, then the check failures; the exit status is 1 if any check failed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({**data, "failures": failures}, indent=1))
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print("\n## check failures\n" + ("\n".join(failures) if failures else "none"))
+    return 1 if failures else 0
+
+
 def say(*a) -> None:
     line = " ".join(str(x) for x in a)
     print(line, flush=True)

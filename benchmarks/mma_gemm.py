@@ -144,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['today_us'] / r['with_prep_us']:.2f} | {r['bf16_us']:.2f} | "
                      f"{r['bf16_us'] / r['with_prep_us']:.2f} | {100 * r['floor_us'] / r['best_us']:.0f} | "
                      f"{r['residual_us']:.2f} / {r['plain_us']:.2f} | {r['err']:.1e} | {MmaConfig(**r['best'])} |")
-    (out / "mma-gemm.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print("\n## check failures\n" + ("\n".join(failures) if failures else "none"))
-    return 1 if failures else 0
+    return bk.report(out, "mma-gemm", {"rows": rows}, lines, failures)
 
 
 if __name__ == "__main__":
