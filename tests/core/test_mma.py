@@ -89,6 +89,9 @@ def test_route_takes_mma_between_dp4a_and_the_gemv(kern):
     paths = {m: kern.linear.route(m, tw).path for m in (1, 2, 3, 8, 16, 17, 64, 65)}
     assert paths == {1: "dp4a", 2: "dp4a", 3: "mma", 8: "mma", 16: "mma", 17: "gemv", 64: "gemv", 65: "int8"}
     assert kern.linear.route(9, tw).config == tw.mma[8] and not tw.mma[8].residual and tw.mma[7].residual
+    tw.dp4a = None  # BONSAI_DP4A_GEMV=0: one and two rows go to the fma GEMV, not to mma
+    assert [kern.linear.route(m, tw).path for m in (1, 2, 3)] == ["gemv", "gemv", "mma"]
+    assert kern.linear.route(1, tw).config.variant == "fma"
     tw.w_int8 = torch.empty(0, dtype=torch.int8)  # W8 kept: its int8 GEMM keeps 3-16 rows
     assert kern.linear.route(3, tw).path == "int8"
     assert kern.linear.route(3, tw, triton_ok=False).path == "reference"

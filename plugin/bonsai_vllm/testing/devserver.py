@@ -7,8 +7,9 @@ file so a failing test can show it (see `conftest.py`).
 Servers run eager (`--enforce-eager`) unless started with `compiled=True`. vLLM traces the model forward with
 dynamo even on CPU, and that trace took ~40 s of a ~90 s start on the 2-core test machine (2026-12-02), for
 every server; what it checks is that our layers trace (no `out=` buffers, opaque custom ops: docs/dev-notes.md),
-which a few compiled servers show: the ternary layers at TP=1 and TP=2 with the int8 all-reduce, the K3V2
-backend, the SSD embedding, and the MTP drafter under K3V2 at TP=2 (what `make up` serves).
+which the compiled ones show: the ternary layers at TP=1 and TP=2 with the int8 all-reduce, the SSD
+embedding pair, and the retrained MTP head with MTP on and off (K3V2 at TP=2, what `make up` serves, and bf16
+KV at TP=1).
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ class TernaryWeights:
     # the dp4a GEMV's config for 1, 2, ... rows (prepare's switch; DP4A_MAX_M of them): M <= len(dp4a) rows
     # take the dp4a route; None: never
     dp4a: tuple[Dp4aConfig, ...] | None = None
-    # the mma kernel's config for 1, 2, ... rows (MMA_MAX_M of them; rows the dp4a route takes go there):
-    # prepared on CUDA when BONSAI_MMA_GEMM is on and the shape allows; None: never
+    # the mma kernel's config for 1, 2, ... rows (MMA_MAX_M of them; the route takes it from DP4A_MAX_M + 1
+    # rows): prepared on CUDA when BONSAI_MMA_GEMM is on and the shape allows; None: never
     mma: tuple[MmaConfig, ...] | None = None
 
     @property
@@ -191,7 +191,8 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
         return Route("reference")
     if tw.dp4a is not None and m <= len(tw.dp4a):
         return Route("dp4a", tw.dp4a[m - 1])
-    if tw.mma is not None and m <= len(tw.mma) and tw.w_int8 is None:  # with W8 kept its int8 GEMM stays
+    # 3 to MMA_MAX_M rows (one or two rows stay on the GEMVs even with dp4a off); with W8 kept its int8 GEMM stays
+    if tw.mma is not None and DP4A_MAX_M < m <= len(tw.mma) and tw.w_int8 is None:
         return Route("mma", tw.mma[m - 1])
     if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):
         from bonsai_vllm.ternary.kernels import gemv
