@@ -258,7 +258,7 @@ bench-kernels: ## check, then time the Triton kernels at the 27B's TP=2 shapes (
 bench-decode: ## decode GEMV candidates (split-K fma, multi-row fma, int8 BM=16) side by side at M = 1…16 (CUDA GPU)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.decode --out .cache/bench-decode $(BENCH_ARGS)
 
-bench-mma: ## the 3-16-row int8 tensor-core kernel (mma.cu): every config checked, then timed against the route it replaced and bf16 (CUDA GPU)
+bench-mma: ## the 2-64-row int8 tensor-core kernel (mma.cu): its config sweep checked, then timed against the served route and bf16 (CUDA GPU; BENCH_ARGS=--quick: the default only)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.mma_gemm --out .cache/bench-mma $(BENCH_ARGS)
 
 bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) at the 27B's shapes (CUDA GPU)

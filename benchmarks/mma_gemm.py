@@ -1,16 +1,16 @@
-"""Check and time issue 19's 3-64-row kernel, ternary.kernels.mma (int8 mma.sync on codes decoded in registers).
+"""Check and time issue 19's 2-64-row kernel, ternary.kernels.mma (int8 mma.sync on codes decoded in registers).
 
-    PYTHONPATH=plugin python -m benchmarks.mma_gemm [--out DIR] [--ms 2,4,16,48] [--quick]
+    PYTHONPATH=plugin python -m benchmarks.mma_gemm [--out DIR] [--ms 1,2,16,48] [--quick]
 
 On the GPU, for the six per-rank layers of the 27B and batch rows M:
-- every configuration in the sweep against the kernel's own integer maths (mma.gemm_reference: must agree to
-  float32 rounding) and against the float32 layer on the same prepared activations (the int8 error itself),
-  on fresh random data with a NaN-poisoned output; the chosen one re-run and required bit-equal;
+- every configuration in the sweep (`--quick`: the default alone) against the kernel's own integer maths
+  (mma.gemm_reference: must agree to float32 rounding) and against the float32 layer on the same prepared
+  activations (the int8 error itself), on fresh random data with a NaN-poisoned output; the fastest re-run
+  and required bit-equal;
 - times as CUDA-graph replays over weight copies that miss L2: the kernel alone and with its activation prep
-  (dp4a.prepare), the route served today for M rows (`ternary_linear`, W8 not kept: dp4a at M <= 2, the
-  tensor-core `gemv dot` above), bf16 cuBLAS, and the fraction of copy bandwidth each reaches.
-The last lines are a table (docs/benchmarks.md keeps it) and the list of check failures.
-"""
+  (dp4a.prepare), the route served for M rows (`ternary_linear`, W8 not kept: dp4a at M = 1, this kernel
+  at 2-64), bf16 cuBLAS, and the fraction of copy bandwidth each reaches.
+The last lines are a table (docs/benchmarks.md keeps it) and the list of check failures."""
 
 from __future__ import annotations
 
@@ -30,17 +30,23 @@ from bonsai_vllm.ternary.kernels import dp4a, mma
 from bonsai_vllm.ternary.kernels.mma import MmaConfig
 from bonsai_vllm.ternary.reference import dequantize
 
-MS = [2, 3, 4, 8, 16, 24, 32, 48, 64]
+MS = [1, 2, 3, 4, 8, 16, 24, 32, 48, 64]
 SHAPES = bk.SHAPES
 
 
 def sweep(m: int, n: int, k: int, quick: bool) -> list[MmaConfig]:
-    residual = (True, False) if m <= 32 else (False,)
-    cands = [MmaConfig(w, r, s, res) for w in (4, 8) for r in (1, 2) for s in (1, 2, 4, 8) for res in residual]
-    if quick:
-        cands = [MmaConfig(4, 1, c.split, c.residual, pf) for c in cands if c.warps == 4 and c.rtiles == 1
-                 for pf in (0, 2, 4)]
+    """The configurations timed for m rows: the default alone (`quick`), or the sweep the default rule came
+    from (warps and row tiles per CTA, warps along the batch, K slices, stages × groups per stage)."""
     d = mma.default_config(m, n, k)
+    if quick:
+        return [d] if d is not None else []
+    residual = (True, False) if m <= mma.RESIDUAL_MAX_M else (False,)
+    tiles = -(-m // 8)
+    layouts = [(w, r, 1) for w, r in ((4, 1), (4, 2), (8, 1))]
+    layouts += [(4, r, wm) for r in (1, 2) for wm in (2, 3, 4) if tiles % wm == 0]
+    cands = [c for c in (MmaConfig(w, r, s, res, st, gps, wm) for w, r, wm in layouts for s in (1, 2, 4, 8)
+                         for res in residual for st, gps in ((4, 1), (3, 2), (2, 4)))
+             if c.fits(tiles)]
     if d is not None and d not in cands:
         cands.append(d)
     return [c for c in cands if n % c.rows_per_cta() == 0 and (k // 128) // c.split >= 2]
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
-    ap.add_argument("--quick", action="store_true", help="four warps, one row tile: the split and residual only")
+    ap.add_argument("--quick", action="store_true", help="the default configuration only (no sweep)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds of checks and timings, then the table")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                        bf16_us=t_bf16, floor_us=floor, all={str(c): t for c, t in timed.items()})
             rows.append(row)
             bk.say(f"  {name:8s} M={m:3d} mma {timed[best]:7.2f} µs ({best}, err {err:.1e}; residual "
-                   f"{fast[True]:.2f} plain {fast[False]:.2f}) +prep {t_prep:7.2f}  today {t_today:7.2f}  "
+                   f"{fast[True]:.2f} plain {fast[False]:.2f}; default {t_default:.2f}) +prep {t_prep:7.2f}  today {t_today:7.2f}  "
                    f"bf16 {t_bf16:7.2f}  floor {floor:5.2f}")
             (out / "mma-gemm.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
     lines = ["| layer | M | mma µs | + prep µs | today µs (route) | × today | bf16 µs | × bf16 (with prep) | "

@@ -100,8 +100,10 @@ def test_decode_rows_take_the_dp4a_route_prepare_chose(spec, routes, monkeypatch
         y = method.apply(layer, x)
         torch.testing.assert_close(y.float(), _expected(layer, x), rtol=2e-2, atol=2e-2)
     paths = [(m, r.path, r.config) for m, r in routes]
-    assert paths[:2] == [(1, "dp4a", prepared.dp4a[0]), (2, "dp4a", prepared.dp4a[1])]
-    assert [(m, p) for m, p, _ in paths[2:]] == [(3, "gemv"), (200, "int8")]
+    assert paths[0] == (1, "dp4a", prepared.dp4a[0])
+    # two and more rows: the mma kernel on CUDA only (prepared.mma is None on CPU tensors), the GEMV here
+    assert prepared.mma is None
+    assert [(m, p) for m, p, _ in paths[1:]] == [(2, "gemv"), (3, "gemv"), (200, "int8")]
 
 
 def test_dp4a_switched_off_keeps_the_gemv(spec, routes, monkeypatch):

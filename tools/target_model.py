@@ -94,7 +94,7 @@ def main_loop(cubin: bytes) -> tuple[int, int]:
 class Launch:
     kernel: str
     loop_instructions: int
-    weights_per_iteration: int  # of the [N, K] matrix, per warp that runs the loop body
+    weights_per_iteration: float  # of the [N, K] matrix, per warp that runs the loop body
     passes: int  # times the whole weight matrix is walked (batch tiles)
     weight_bytes: float
     other_bytes: float
@@ -145,7 +145,10 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
         cfg = route.config
         cubin, _ = mma.compile_instance(mma.template(-(-m // 8), cfg, torch.bfloat16), str(card.arch))
         body, _ = main_loop(cubin)
-        launches.append(Launch("ternary_mma", body, 16 * cfg.rtiles * 128, 1, weight_bytes, out_bytes))
+        # one iteration is one pipeline stage: a warp's 16 · rtiles rows × gps groups of 128 inputs, for its
+        # 1/wm of the column tiles (wm warps walk the same weights)
+        launches.append(Launch("ternary_mma", body, 16 * cfg.rtiles * 128 * cfg.gps / cfg.wm, 1, weight_bytes,
+                               out_bytes))
     return str(route), launches
 
 

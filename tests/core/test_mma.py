@@ -1,7 +1,7 @@
-"""The int8 tensor-core route for 3-16 rows (ternary/kernels/mma.py, mma.cu) where no GPU is: its torch reference
+"""The int8 tensor-core route for 2-64 rows (ternary/kernels/mma.py, mma.cu) where no GPU is: its torch reference
 against dp4a's and the float32 layer, its configuration rule at the 27B's shapes, and the dispatch.
 
-The kernel itself runs only on CUDA: `make gpu-check` (every layer, 3-16 rows, through ternary_linear) and
+The kernel itself runs only on CUDA: `make gpu-check` (every layer, 1-65 rows, through ternary_linear) and
 `python -m benchmarks.mma_gemm` (every configuration against gemm_reference) check it there; here
 tests/core/test_compile_check.py compiles it with NVRTC for sm_90 and sm_120.
 """
@@ -61,23 +61,40 @@ def test_residual_and_plain_errors_against_float32(kern):
 
 
 def test_default_config_at_the_27bs_shapes(kern):
-    splits = {name: [kern.mma.default_config(m, n, k).split for m in (3, 8, 9, 16)] for name, (k, n) in LAYERS.items()}
-    # the H200 sweep's choice (docs/benchmarks.md): >= 440 CTAs up to 8 rows, four K slices above
-    assert splits == {"gate_up": [2, 2, 4, 4], "down": [8, 8, 4, 4], "qkv": [4, 4, 4, 4], "o_proj": [8, 8, 4, 4],
-                      "gdn_in": [4, 4, 4, 4], "gdn_out": [8, 8, 4, 4], "lm_head": [1, 1, 4, 4]}
-    for m in range(1, 17):
-        assert kern.mma.default_config(m, 5120, 5120).residual == (m <= kern.mma.RESIDUAL_MAX_M)
+    ms = (2, 8, 9, 24, 32, 48, 64)
+    splits = {name: [kern.mma.default_config(m, n, k).split for m in ms] for name, (k, n) in LAYERS.items()}
+    # the H200 sweep's rule (docs/benchmarks.md): the fewest K slices that give >= 384 CTAs at one column tile,
+    # 256 at two or three, 192 at four to seven, 512 at eight (64-row CTAs; >= 3 groups per slice)
+    assert splits == {"gate_up": [2, 2, 1, 1, 1, 1, 2], "down": [8, 8, 4, 4, 4, 4, 8], "qkv": [4, 4, 4, 4, 2, 2, 8],
+                      "o_proj": [8, 8, 4, 4, 4, 4, 8], "gdn_in": [4, 4, 2, 2, 2, 2, 4],
+                      "gdn_out": [8, 8, 4, 4, 4, 4, 8], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
+    for m in range(1, kern.mma.MAX_ROWS + 1):
+        cfg = kern.mma.default_config(m, 5120, 5120)
+        tiles = -(-m // 8)
+        assert cfg.residual == (m <= kern.mma.RESIDUAL_MAX_M)
+        # every chosen instance compiles: its column tiles split over wm warps, its stages in 48 KB
+        assert cfg.fits(tiles) and tiles % cfg.wm == 0 and cfg.shared_bytes(tiles) <= kern.mma.SHARED_MAX
     assert kern.mma.default_config(3, 5120, 5120 + 64) is None  # K not whole scale groups
     assert kern.mma.default_config(3, 5120 + 16, 5120) is None  # N not whole CTA tiles (64 rows)
     assert kern.mma.default_config(kern.mma.MAX_ROWS + 1, 5120, 5120) is None
 
 
 def test_template_names_the_instance(kern):
-    cfg = kern.mma.MmaConfig(warps=4, rtiles=1, split=8, residual=True)
+    cfg = kern.mma.MmaConfig(warps=4, rtiles=1, split=8, residual=True, stages=2, gps=4)
     # the split is a launch argument: two splits share one compiled instance
-    assert kern.mma.template(2, cfg, torch.bfloat16) == "ternary_mma<2, 1, 4, true, 1, 0>"
-    assert kern.mma.template(2, kern.mma.MmaConfig(4, 1, 2, True), torch.bfloat16) == kern.mma.template(2, cfg, torch.bfloat16)
-    assert kern.mma.template(8, kern.mma.MmaConfig(8, 2, 1, False, 4), torch.float32) == "ternary_mma<8, 2, 8, false, 0, 4>"
+    assert kern.mma.template(2, cfg, torch.bfloat16) == "ternary_mma<2, 1, 4, 1, true, 1, 2, 4>"
+    assert kern.mma.template(2, kern.mma.MmaConfig(4, 1, 2, True, 2, 4), torch.bfloat16) == kern.mma.template(2, cfg, torch.bfloat16)
+    assert (kern.mma.template(8, kern.mma.MmaConfig(8, 2, 1, False, 3, 1, wm=2), torch.float32)
+            == "ternary_mma<8, 2, 8, 2, false, 0, 3, 1>")
+
+
+def test_shared_bytes_match_the_kernels_layout(kern):
+    # PipeStage: codes [64 rows][8 GPS (+4 at GPS 4)] + x8 (+ r8) [8T · 4][8 GPS] + scalars [GPS][2 or 4][8T], words
+    cfg = kern.mma.MmaConfig(4, 1, 1, True, stages=2, gps=4)
+    assert cfg.shared_bytes(1) == 2 * 4 * (64 * 36 + 2 * 8 * 4 * 32 + 4 * 4 * 8)
+    assert kern.mma.MmaConfig(4, 1, 1, False, stages=4, gps=1).shared_bytes(8) == 4 * 4 * (64 * 8 + 64 * 4 * 8 + 2 * 64)
+    assert not kern.mma.MmaConfig(4, 2, 1, False, stages=4, gps=2).fits(8)  # 75 KB: past the static 48 KB
+    assert not kern.mma.MmaConfig(4, 1, 1, False, wm=2).fits(3)  # three column tiles do not split over two warps
 
 
 def test_route_takes_mma_between_dp4a_and_the_gemv(kern):
@@ -87,12 +104,14 @@ def test_route_takes_mma_between_dp4a_and_the_gemv(kern):
     tw.dp4a = tuple(kern.dp4a.default_config(128, 1024, r) for r in range(1, kern.linear.DP4A_MAX_M + 1))
     tw.mma = tuple(kern.mma.default_config(r, 128, 1024) for r in range(1, kern.linear.MMA_MAX_M + 1))
     paths = {m: kern.linear.route(m, tw).path for m in (1, 2, 3, 8, 16, 17, 64, 65)}
-    assert paths == {1: "dp4a", 2: "dp4a", 3: "mma", 8: "mma", 16: "mma", 17: "gemv", 64: "gemv", 65: "int8"}
+    assert paths == {1: "dp4a", 2: "mma", 3: "mma", 8: "mma", 16: "mma", 17: "mma", 64: "mma", 65: "int8"}
     assert kern.linear.route(9, tw).config == tw.mma[8] and not tw.mma[8].residual and tw.mma[7].residual
-    tw.dp4a = None  # BONSAI_DP4A_GEMV=0: one and two rows go to the fma GEMV, not to mma
-    assert [kern.linear.route(m, tw).path for m in (1, 2, 3)] == ["gemv", "gemv", "mma"]
+    tw.mma = tw.mma[:16]  # a shorter table (mma off above 16 rows): the GEMV takes the rest up to 64
+    assert [kern.linear.route(m, tw).path for m in (16, 17, 64)] == ["mma", "gemv", "gemv"]
+    tw.dp4a = None  # BONSAI_DP4A_GEMV=0: one row goes to the fma GEMV, not to mma
+    assert [kern.linear.route(m, tw).path for m in (1, 2, 3)] == ["gemv", "mma", "mma"]
     assert kern.linear.route(1, tw).config.variant == "fma"
-    tw.w_int8 = torch.empty(0, dtype=torch.int8)  # W8 kept: its int8 GEMM keeps 3-16 rows
+    tw.w_int8 = torch.empty(0, dtype=torch.int8)  # W8 kept: the GEMV keeps two rows, its int8 GEMM 3 and more
     assert kern.linear.route(3, tw).path == "int8"
     assert kern.linear.route(3, tw, triton_ok=False).path == "reference"
 
@@ -120,7 +139,7 @@ def _nvrtc_or_skip():
 @pytest.mark.parametrize("arch", ["90", "120"])
 def test_nvrtc_compiles_the_served_instances_without_a_gpu(kern, arch):
     nvrtc = _nvrtc_or_skip()
-    for m in (3, 16):
+    for m in (2, 16, 64):
         name = kern.mma.template(-(-m // 8), kern.mma.default_config(m, 17408, 5120), torch.bfloat16)
         cubin, symbol = nvrtc.compile_cuda(kern.mma.SOURCE.read_text(), name, arch)
         assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z11ternary_mma"), (name, symbol)

@@ -23,9 +23,10 @@ def test_main_loop_is_the_mma_loop(tm):
         cubin, _ = mma.compile_instance(mma.template(1, mma.default_config(3, 17408, 5120), torch.bfloat16), "120")
     except OSError as e:
         pytest.skip(f"no NVRTC here: {e}")
+    cfg = mma.default_config(3, 17408, 5120)
     size, work = tm.main_loop(cubin)
-    # one group of 128 inputs per iteration: 4 k-steps × (x8 and the residual r8) = 8 IMMA among the work
-    assert 60 < size < 400 and work >= 8
+    # one pipeline stage per iteration: per group of 128 inputs 4 k-steps × (x8 and the residual r8) = 8 IMMA
+    assert cfg.gps * 60 < size < cfg.gps * 400 and work >= cfg.gps * 8
 
 
 def test_layer_time_takes_the_larger_term(tm):

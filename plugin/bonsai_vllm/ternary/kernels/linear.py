@@ -11,8 +11,8 @@ Dispatch (by batch rows M = x.numel() / K and by device):
   (int8 bytes of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the
   dp4a GEMV (dp4a.py), which stores y in x's dtype: two launches;
 - M <= `MMA_MAX_M` (BONSAI_MMA_GEMM, on by default; CUDA tensors only: the kernel is CUDA C compiled by
-  NVRTC): the same activation prep as dp4a, then the int8 tensor-core kernel decoding the codes in
-  registers (mma.cu; issue 19): two launches;
+  NVRTC; W8 not kept): the same activation prep as dp4a, then the int8 tensor-core kernel decoding the codes
+  in registers behind a cp.async pipeline (mma.cu; issue 19): two launches;
 - M <= `GEMV_MAX_M` (2; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
   reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches (three
   for gate_up at M = 1, whose split-K sums its partials in a second small launch);
@@ -50,12 +50,12 @@ BLOCK = 1024
 GEMV_MAX_M = 2
 GEMV_MAX_M_NO_W8 = 64
 # Batch rows up to which the dp4a GEMV runs (when the layer was prepared for it; dp4a.MAX_ROWS at most):
-# one row, and two (one user's step with MTP on); from three rows the tensor-core GEMV is faster (H200,
-# benchmarks/dp4a_gemv.py, docs/benchmarks.md).
-DP4A_MAX_M = 2
-# Batch rows up to which the int8 tensor-core kernel (mma.py) runs on CUDA: on the H200 it beat the `gemv dot`
-# route at 3-16 rows on every shape (1.1-2.5x) and lost to it on gate_up and qkv at 32 (docs/benchmarks.md).
-MMA_MAX_M = 16
+# one row; from two rows (one user's step with MTP on) the tensor-core kernel is faster (H200,
+# benchmarks/mma_gemm.py, docs/benchmarks.md).
+DP4A_MAX_M = 1
+# Batch rows up to which the int8 tensor-core kernel (mma.py) runs on CUDA: on the H200 it beat the routes it
+# replaced at 2-64 rows on every shape (dp4a at 2, `gemv dot` above 16: 1.1-2.4x; docs/benchmarks.md).
+MMA_MAX_M = 64
 
 
 @dataclass
@@ -97,7 +97,7 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     `expand_int8=True` keeps W8 = code · q (1 byte per weight) for the prefill matmul; leave it False where
     memory is short (2 × 12 GB cards: the 27B's W8 would be 13.5 GB per rank) and W8 is expanded per call.
     `dp4a`: one-token rows through the dp4a GEMV where Triton runs and the shape allows (None: the
-    BONSAI_DP4A_GEMV switch); its shared workspace is reserved here, not during a call. `mma`: 3 to MMA_MAX_M
+    BONSAI_DP4A_GEMV switch); its shared workspace is reserved here, not during a call. `mma`: 2 to MMA_MAX_M
     rows through the int8 tensor-core kernel on CUDA (None: BONSAI_MMA_GEMM); its instances are compiled here.
     """
     n, kw = packed.shape
@@ -137,8 +137,8 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
         configs = tuple(mma_kernels.default_config(rows, n, k) for rows in range(1, MMA_MAX_M + 1))
         if None not in configs:
             tw.mma = configs
-            mma_kernels.reserve(packed.device, n, k, configs[-1], MMA_MAX_M)
             for rows in range(DP4A_MAX_M + 1, MMA_MAX_M + 1):  # compiled and loaded now, not inside a capture
+                mma_kernels.reserve(packed.device, n, k, configs[rows - 1], rows)
                 mma_kernels.kernel(-(-rows // 8), configs[rows - 1], torch.bfloat16, packed.device)
     return tw
 
@@ -191,7 +191,7 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
         return Route("reference")
     if tw.dp4a is not None and m <= len(tw.dp4a):
         return Route("dp4a", tw.dp4a[m - 1])
-    # 3 to MMA_MAX_M rows (one or two rows stay on the GEMVs even with dp4a off); with W8 kept its int8 GEMM stays
+    # 2 to MMA_MAX_M rows (one row stays on the GEMV even with dp4a off); with W8 kept its int8 GEMM stays
     if tw.mma is not None and DP4A_MAX_M < m <= len(tw.mma) and tw.w_int8 is None:
         return Route("mma", tw.mma[m - 1])
     if m <= (GEMV_MAX_M if tw.w_int8 is not None else GEMV_MAX_M_NO_W8):

@@ -1,4 +1,4 @@
-// The ternary layer for 3 to 64 rows on int8 tensor cores (issue 19): y[M, N] = x · W'^T.
+// The ternary layer for 2 to 64 rows on int8 tensor cores (issue 19): y[M, N] = x · W'^T.
 //
 // Compiled at run time by NVRTC for the GPU it runs on (mma.py; no headers, no nvcc in the image). The codes
 // are read in the checkpoint's own layout (int32 [N, K/16], code i of a word at bits 2i, u = code in {0,1,2},
@@ -16,32 +16,26 @@
 //     a2 = lane t of word w+1 of row g    a3 = the same for row g + 8
 //     b0 = xa[col g, t, w]                b1 = xa[col g, t, w + 1]
 // the mma's k index 4t + b means input 16w + 4b + t on both sides (and 16 + 4t + b the word after). Two
-// instructions decode four weights; the four threads of a quad load the same words (one request).
+// instructions decode four weights; the four threads of a quad read the same words (a broadcast).
 //
 // Per group of 128 inputs (four mma k-steps) the int32 sum is Σ u·x8 = Σ (w + 1)·x8, so
 //     y[m, n] += scale[n, g] · (s1[m, g] · (Σ u·x8 − Σ x8) + s2[m, g] · (Σ u·r8 − Σ r8))       (float32)
 // the same integer maths as dp4a.gemv_reference; RES = false drops the r8 term (x to int8 per group only).
 //
-// Work split: a CTA of WARPS warps, each warp R tiles of 16 output rows and all T·8 batch rows (M <= 64), over
-// the groups of its K slice (blockIdx.y). With several slices each CTA writes its float32 partial tile and
-// the last CTA of a row tile (a counter per tile) adds the partials in slice order, writes y and resets the
-// counter: deterministic, one launch, CUDA-graph safe.
+// Work split: a CTA of WARPS · WM warps covers 16 · R · WARPS output rows and all T·8 batch rows (M <= 64) over
+// the groups of its K slice (blockIdx.y); warp (wr, wm) takes R row tiles and T / WM of the batch's column
+// tiles. The CTA's codes, activations and per-row scalars for the next STAGES - 1 stages (GPS groups each) are
+// in flight through cp.async into shared memory while this stage's products run: the bytes in flight grow
+// with STAGES and cost no registers, and each CTA fetches the activations once for all its warps. (The first
+// version kept one group ahead per warp in registers and ran 1.3-2x slower at 8-64 rows: docs/benchmarks.md.)
+// With several K slices each CTA writes its float32 partial tile and the last CTA of a row tile (a counter per
+// tile) adds the partials in slice order, writes y and resets the counter: deterministic, one launch,
+// CUDA-graph safe.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
 #define LANES 0x03030303u
-
-__device__ __forceinline__ void load4(const u32* p, u32& a, u32& b, u32& c, u32& d) {
-  // 16 bytes through the non-coherent path, not kept in L1: the codes are read once per call.
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
-}
-
-__device__ __forceinline__ void load4_cached(const u32* p, u32& a, u32& b, u32& c, u32& d) {
-  // 16 bytes of activations: every warp of the CTA reads them, so they stay in L1.
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "l"(p));
-}
 
 __device__ __forceinline__ float half_to_float(u16 h) {
   float f;
@@ -72,160 +66,13 @@ __device__ __forceinline__ void store_y(void* y, long i, float v) {
   }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-
-// PF > 0: PF groups ahead, ask for the codes (into L2) and this thread's activation words (into L1), so the
-// loads of a later iteration find them near; registers stay as they are.
-template <int T, int R, int WARPS, bool RES, int OUT, int PF>
-__global__ void __launch_bounds__(WARPS * 32)
-ternary_mma(const u32* __restrict__ codes,   // [N, KW]
-            const u16* __restrict__ scales,  // fp16 [N, G]
-            const u32* __restrict__ xa,      // [M, 4, KW] planar int8 of x
-            const u32* __restrict__ xr,      // [M, 4, KW] planar int8 of the residual (RES)
-            const int* __restrict__ gx,      // [M, G] Σ x8 per group
-            const int* __restrict__ gr,      // [M, G] Σ r8 per group (RES)
-            const float* __restrict__ sx,    // [M, 2, G] s1, s2 per group
-            void* __restrict__ y,            // [M, ldy] of OUT's type
-            float* __restrict__ partials,    // [splits, M, N] (splits > 1)
-            int* __restrict__ counters,      // [N / (16 R WARPS)] zeros between calls (splits > 1)
-            int M, int N, int KW, int groups_per_split, int ldy) {
-  const int G = KW / 8;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3, shift = 2 * t;
-  const int row0 = (blockIdx.x * WARPS + warp) * 16 * R;  // this warp's first output row
+// y (splits == 1), or this CTA's partial tile and, from the tile's last CTA, the slices' sum in slice order.
+// Called by every thread of the CTA (it holds barriers). The accumulator of (r, j) holds rows row0 + 16r + g
+// (e = 0, 1) and + 8 (e = 2, 3), batch rows 8 (j0 + j) + 2t + e%2.
+template <int T, int R, int OUT>
+__device__ __forceinline__ void write_tile(const float (&acc)[R][T][4], void* y, float* partials, int* counters,
+                                           int M, int N, int ldy, int row0, int g, int t, int j0) {
   const int splits = gridDim.y;
-  const int g0 = blockIdx.y * groups_per_split;
-  const int g1 = min(G, g0 + groups_per_split);
-
-  float acc[R][T][4];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int j = 0; j < T; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
-
-  if (row0 < N) {
-    // Double buffer: the next group's code words are in flight while this group's products run.
-    u32 wa[R][8], wb[R][8], na[R][8], nb[R][8];
-    const u32* rowa[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      rowa[r] = codes + (long)(row0 + 16 * r + g) * KW;
-      if (g0 < g1) {
-        load4(rowa[r] + 8 * g0, wa[r][0], wa[r][1], wa[r][2], wa[r][3]);
-        load4(rowa[r] + 8 * g0 + 4, wa[r][4], wa[r][5], wa[r][6], wa[r][7]);
-        load4(rowa[r] + 8L * KW + 8 * g0, wb[r][0], wb[r][1], wb[r][2], wb[r][3]);
-        load4(rowa[r] + 8L * KW + 8 * g0 + 4, wb[r][4], wb[r][5], wb[r][6], wb[r][7]);
-      }
-    }
-    for (int grp = g0; grp < g1; ++grp) {
-      if (PF > 0 && grp + PF < g1) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          prefetch_l2(rowa[r] + 8 * (grp + PF));
-          prefetch_l2(rowa[r] + 8L * KW + 8 * (grp + PF));
-        }
-#pragma unroll
-        for (int j = 0; j < T; ++j) {
-          const int m = 8 * j + g;
-          if (m < M) {
-            prefetch_l1(xa + ((long)m * 4 + t) * KW + 8 * (grp + PF));
-            if (RES) prefetch_l1(xr + ((long)m * 4 + t) * KW + 8 * (grp + PF));
-          }
-        }
-      }
-      if (grp + 1 < g1) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int w = 8 * (grp + 1);
-          load4(rowa[r] + w, na[r][0], na[r][1], na[r][2], na[r][3]);
-          load4(rowa[r] + w + 4, na[r][4], na[r][5], na[r][6], na[r][7]);
-          load4(rowa[r] + 8L * KW + w, nb[r][0], nb[r][1], nb[r][2], nb[r][3]);
-          load4(rowa[r] + 8L * KW + w + 4, nb[r][4], nb[r][5], nb[r][6], nb[r][7]);
-        }
-      }
-      // Lane t of this group's words, per k-step s (words 2s, 2s+1): the A operands, made once for all batch rows.
-      u32 a[R][4][4];
-      float sa[R], sb[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          a[r][s][0] = (wa[r][2 * s] >> shift) & LANES;
-          a[r][s][1] = (wb[r][2 * s] >> shift) & LANES;
-          a[r][s][2] = (wa[r][2 * s + 1] >> shift) & LANES;
-          a[r][s][3] = (wb[r][2 * s + 1] >> shift) & LANES;
-        }
-        sa[r] = half_to_float(scales[(long)(row0 + 16 * r + g) * G + grp]);
-        sb[r] = half_to_float(scales[(long)(row0 + 16 * r + g + 8) * G + grp]);
-      }
-#pragma unroll
-      for (int j = 0; j < T; ++j) {
-        // B operands: batch row 8j + g, lane t, this group's eight words (zeros past M).
-        const int m = 8 * j + g;
-        u32 b[8], br[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) b[i] = br[i] = 0u;
-        if (m < M) {
-          const u32* p = xa + ((long)m * 4 + t) * KW + 8 * grp;
-          load4_cached(p, b[0], b[1], b[2], b[3]);
-          load4_cached(p + 4, b[4], b[5], b[6], b[7]);
-          if (RES) {
-            const u32* q = xr + ((long)m * 4 + t) * KW + 8 * grp;
-            load4_cached(q, br[0], br[1], br[2], br[3]);
-            load4_cached(q + 4, br[4], br[5], br[6], br[7]);
-          }
-        }
-        // The accumulator's columns are batch rows 8j + 2t and 8j + 2t + 1.
-        const int m0 = 8 * j + 2 * t, m1 = m0 + 1;
-        const float s10 = m0 < M ? sx[(long)m0 * 2 * G + grp] : 0.f;
-        const float s11 = m1 < M ? sx[(long)m1 * 2 * G + grp] : 0.f;
-        const float x10 = m0 < M ? (float)gx[(long)m0 * G + grp] : 0.f;
-        const float x11 = m1 < M ? (float)gx[(long)m1 * G + grp] : 0.f;
-        float s20 = 0.f, s21 = 0.f, x20 = 0.f, x21 = 0.f;
-        if (RES) {
-          s20 = m0 < M ? sx[(long)m0 * 2 * G + G + grp] : 0.f;
-          s21 = m1 < M ? sx[(long)m1 * 2 * G + G + grp] : 0.f;
-          x20 = m0 < M ? (float)gr[(long)m0 * G + grp] : 0.f;
-          x21 = m1 < M ? (float)gr[(long)m1 * G + grp] : 0.f;
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          int c[4] = {0, 0, 0, 0}, cr[4] = {0, 0, 0, 0};
-#pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            mma_s8(c, a[r][s][0], a[r][s][1], a[r][s][2], a[r][s][3], b[2 * s], b[2 * s + 1]);
-            if (RES) mma_s8(cr, a[r][s][0], a[r][s][1], a[r][s][2], a[r][s][3], br[2 * s], br[2 * s + 1]);
-          }
-          float v0 = s10 * ((float)c[0] - x10), v1 = s11 * ((float)c[1] - x11);
-          float v2 = s10 * ((float)c[2] - x10), v3 = s11 * ((float)c[3] - x11);
-          if (RES) {
-            v0 += s20 * ((float)cr[0] - x20);
-            v1 += s21 * ((float)cr[1] - x21);
-            v2 += s20 * ((float)cr[2] - x20);
-            v3 += s21 * ((float)cr[3] - x21);
-          }
-          acc[r][j][0] += sa[r] * v0;
-          acc[r][j][1] += sa[r] * v1;
-          acc[r][j][2] += sb[r] * v2;
-          acc[r][j][3] += sb[r] * v3;
-        }
-      }
-      if (grp + 1 < g1) {
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            wa[r][i] = na[r][i];
-            wb[r][i] = nb[r][i];
-          }
-      }
-    }
-  }
-
-  // The accumulator of (r, j) holds rows row0 + 16r + g (e = 0, 1) and + 8 (e = 2, 3), batch rows 8j + 2t + e%2.
   if (splits == 1) {
     if (row0 >= N) return;
 #pragma unroll
@@ -234,7 +81,7 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
       for (int j = 0; j < T; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int m = 8 * j + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
+          const int m = 8 * (j0 + j) + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
           if (m < M) store_y<OUT>(y, (long)m * ldy + n, acc[r][j][e]);
         }
     return;
@@ -246,7 +93,7 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
       for (int j = 0; j < T; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int m = 8 * j + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
+          const int m = 8 * (j0 + j) + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
           if (m < M) partials[((long)blockIdx.y * M + m) * N + n] = acc[r][j][e];
         }
   }
@@ -264,7 +111,7 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
       for (int j = 0; j < T; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int m = 8 * j + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
+          const int m = 8 * (j0 + j) + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
           if (m < M) {
             float sum = 0.f;
             for (int s = 0; s < splits; ++s) sum += __ldcg(partials + ((long)s * M + m) * N + n);
@@ -273,4 +120,218 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
         }
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next call (and CUDA-graph replays)
+}
+
+// Shared memory per stage (words): codes [ROWS][8 GPS], one row per output row of the CTA, as in global; x8
+// (and r8) [8T · 4 lanes][2 GPS chunks of 16 bytes], the chunk order swizzled so that the eight threads of a
+// 16-byte phase (two batch rows, four lanes) hit eight different bank quads; scalars [GPS][s1, Σx8, s2, Σr8][8T].
+// Batch rows past M and groups past the slice are zero-filled by cp.async itself (source size 0).
+
+#define MAGIC 0x4B400000  // the bits of 1.5 · 2^23: MAGIC + i, for |i| < 2^22, are the float 1.5 · 2^23 + i
+#define MAGIC_F 12582912.f
+
+struct alignas(16) u32x4 {
+  u32 x, y, z, w;
+};
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
+  // .cg: into L2 only, not L1 (codes are read once; activations are re-read by other CTAs from L2).
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void copy4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(shared_address(dst)), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+template <int T, int R, int WARPS, bool RES, int STAGES, int GPS>
+struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loads
+  static constexpr int ROWS = 16 * R * WARPS;  // output rows of the CTA
+  static constexpr int CW = 8 * GPS;           // code words per row per stage
+  static constexpr int CWP = GPS == 4 ? CW + 4 : CW;  // row pitch: rows g and g + 1 on different bank quads
+  static constexpr int MP = 8 * T;             // batch rows, padded to the mma's 8
+  static constexpr int C = 2 * GPS;            // 16-byte chunks per (batch row, lane) per stage
+  static constexpr int NX = RES ? 2 : 1;       // x8 (and r8)
+  static constexpr int NS = RES ? 4 : 2;       // per batch row and group: s1, Σx8 (, s2, Σr8)
+  u32 codes[ROWS * CWP];
+  u32 x[NX][MP * 4 * CW];
+  u32 scalars[GPS][NS][MP];
+  // The swizzled chunk of (batch row, lane) index ml = 4 m + lane: eight consecutive ml, same chunk q, land on
+  // eight different 16-byte bank quads.
+  static __device__ __forceinline__ int chunk(int ml, int q) { return ml * C + (q ^ ((ml / (8 / C)) % C)); }
+};
+
+template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS>
+__global__ void __launch_bounds__(WARPS * WM * 32)
+ternary_mma(const u32* __restrict__ codes, const u16* __restrict__ scales, const u32* __restrict__ xa,
+                 const u32* __restrict__ xr, const int* __restrict__ gx, const int* __restrict__ gr,
+                 const float* __restrict__ sx, void* __restrict__ y, float* __restrict__ partials,
+                 int* __restrict__ counters, int M, int N, int KW, int groups_per_split, int ldy) {
+  using S = PipeStage<T, R, WARPS, RES, STAGES, GPS>;
+  static_assert(GPS == 1 || GPS == 2 || GPS == 4, "a stage is one, two or four groups");
+  static_assert(STAGES >= 2, "at least double buffering");
+  static_assert(T % WM == 0, "the batch's column tiles split evenly over WM warps");
+  constexpr int TJ = T / WM;            // column tiles of one warp
+  constexpr int NT = WARPS * WM * 32;   // threads of the CTA
+  static_assert(sizeof(S) * STAGES <= 48 * 1024, "static shared memory: 48 KB at most");
+  __shared__ S stage[STAGES];
+
+  const int G = KW / 8;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3, shift = 2 * t;
+  const int wr = warp % WARPS, wm = warp / WARPS;  // this warp's row tiles and column tiles
+  const int cta_row0 = blockIdx.x * S::ROWS;
+  const int row0 = cta_row0 + wr * 16 * R;  // this warp's first output row
+  const int g0 = blockIdx.y * groups_per_split;
+  const int g1 = min(G, g0 + groups_per_split);
+  const int nstages = (g1 - g0 + GPS - 1) / GPS;
+
+  // Every thread of the CTA copies a share of stage `i` (groups g0 + GPS i ...) into buffer i % STAGES.
+  auto issue = [&](int i) {
+    S& s = stage[i % STAGES];
+    const int grp0 = g0 + GPS * i;
+    for (int c = threadIdx.x; c < S::ROWS * S::C; c += NT) {
+      const int row = c / S::C, q = c % S::C;
+      const bool ok = grp0 + q / 2 < g1;
+      copy16(s.codes + row * S::CWP + 4 * q, ok ? codes + (long)(cta_row0 + row) * KW + 8 * grp0 + 4 * q : codes, ok);
+    }
+#pragma unroll
+    for (int v = 0; v < S::NX; ++v) {
+      const u32* src = v ? xr : xa;
+      for (int c = threadIdx.x; c < S::MP * 4 * S::C; c += NT) {
+        const int ml = c / S::C, q = c % S::C;
+        const bool ok = ml / 4 < M && grp0 + q / 2 < g1;
+        copy16(s.x[v] + 4 * S::chunk(ml, q), ok ? src + (long)ml * KW + 8 * grp0 + 4 * q : src, ok);
+      }
+    }
+    for (int c = threadIdx.x; c < GPS * S::NS * S::MP; c += NT) {
+      const int gi = c / (S::NS * S::MP), k = (c / S::MP) % S::NS, m = c % S::MP, grp = grp0 + gi;
+      const bool ok = m < M && grp < g1;
+      const void* src = k == 0 ? (const void*)(sx + (long)m * 2 * G + grp)
+                      : k == 1 ? (const void*)(gx + (long)m * G + grp)
+                      : k == 2 ? (const void*)(sx + (long)m * 2 * G + G + grp)
+                               : (const void*)(gr + (long)m * G + grp);
+      copy4(&s.scalars[gi][k][m], ok ? src : (const void*)sx, ok);
+    }
+  };
+
+  float acc[R][TJ][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < TJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < nstages) issue(i);
+    copy_commit();
+  }
+  for (int i = 0; i < nstages; ++i) {
+    // The weight scales of this stage's groups (global, through L1), asked for before the wait.
+    float sa[GPS][R], sb[GPS][R];
+#pragma unroll
+    for (int gi = 0; gi < GPS; ++gi)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int grp = min(g0 + GPS * i + gi, g1 - 1);
+        sa[gi][r] = half_to_float(scales[(long)(row0 + 16 * r + g) * G + grp]);
+        sb[gi][r] = half_to_float(scales[(long)(row0 + 16 * r + g + 8) * G + grp]);
+      }
+    copy_wait<STAGES - 2>();  // stage i has landed (for this thread's copies) ...
+    __syncthreads();          // ... and for everyone's; and buffer (i - 1) % STAGES is free again
+    if (i + STAGES - 1 < nstages) issue(i + STAGES - 1);
+    copy_commit();
+    const S& s = stage[i % STAGES];
+#pragma unroll
+    for (int gi = 0; gi < GPS; ++gi) {
+      if (g0 + GPS * i + gi >= g1) continue;  // the slice's last stage may be short (warp-uniform)
+      u32 a[R][4][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const u32* ca = s.codes + (wr * 16 * R + 16 * r + g) * S::CWP + 8 * gi;
+        const u32* cb = ca + 8 * S::CWP;
+        const u32x4 wa0 = *reinterpret_cast<const u32x4*>(ca), wa1 = *reinterpret_cast<const u32x4*>(ca + 4);
+        const u32x4 wb0 = *reinterpret_cast<const u32x4*>(cb), wb1 = *reinterpret_cast<const u32x4*>(cb + 4);
+        const u32 wa[8] = {wa0.x, wa0.y, wa0.z, wa0.w, wa1.x, wa1.y, wa1.z, wa1.w};
+        const u32 wb[8] = {wb0.x, wb0.y, wb0.z, wb0.w, wb1.x, wb1.y, wb1.z, wb1.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          a[r][q][0] = (wa[2 * q] >> shift) & LANES;
+          a[r][q][1] = (wb[2 * q] >> shift) & LANES;
+          a[r][q][2] = (wa[2 * q + 1] >> shift) & LANES;
+          a[r][q][3] = (wb[2 * q + 1] >> shift) & LANES;
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < TJ; ++jj) {
+        const int j = wm * TJ + jj;
+        const int ml = 4 * (8 * j + g) + t;
+        u32 b[8], br[8];
+        {
+          const u32x4 lo = *reinterpret_cast<const u32x4*>(s.x[0] + 4 * S::chunk(ml, 2 * gi));
+          const u32x4 hi = *reinterpret_cast<const u32x4*>(s.x[0] + 4 * S::chunk(ml, 2 * gi + 1));
+          b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
+        }
+        if (RES) {
+          const u32x4 lo = *reinterpret_cast<const u32x4*>(s.x[S::NX - 1] + 4 * S::chunk(ml, 2 * gi));
+          const u32x4 hi = *reinterpret_cast<const u32x4*>(s.x[S::NX - 1] + 4 * S::chunk(ml, 2 * gi + 1));
+          br[0] = lo.x, br[1] = lo.y, br[2] = lo.z, br[3] = lo.w, br[4] = hi.x, br[5] = hi.y, br[6] = hi.z,
+          br[7] = hi.w;
+        }
+        // Columns 8j + 2t and 8j + 2t + 1 of the accumulator; their scalars are zeros past M. The int32
+        // accumulator starts at MAGIC - Σx8, so after the mma its bits are the float 1.5 · 2^23 + (Σ u·x8 - Σx8)
+        // exactly (|Σ u·x8 - Σx8| < 2^16): one float subtraction instead of an int-to-float conversion, which
+        // runs at a quarter of the rate and bound this loop at 16-64 rows.
+        const int m0 = 8 * j + 2 * t;
+        const float2 s1 = *reinterpret_cast<const float2*>(&s.scalars[gi][0][m0]);
+        const int2 x1 = *reinterpret_cast<const int2*>(&s.scalars[gi][1][m0]);
+        float2 s2 = make_float2(0.f, 0.f);
+        int2 x2 = make_int2(0, 0);
+        if (RES) {
+          s2 = *reinterpret_cast<const float2*>(&s.scalars[gi][S::NS - 2][m0]);
+          x2 = *reinterpret_cast<const int2*>(&s.scalars[gi][S::NS - 1][m0]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          int c[4] = {MAGIC - x1.x, MAGIC - x1.y, MAGIC - x1.x, MAGIC - x1.y};
+          int cr[4] = {MAGIC - x2.x, MAGIC - x2.y, MAGIC - x2.x, MAGIC - x2.y};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            mma_s8(c, a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], b[2 * q], b[2 * q + 1]);
+            if (RES) mma_s8(cr, a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], br[2 * q], br[2 * q + 1]);
+          }
+          float v0 = s1.x * (__int_as_float(c[0]) - MAGIC_F), v1 = s1.y * (__int_as_float(c[1]) - MAGIC_F);
+          float v2 = s1.x * (__int_as_float(c[2]) - MAGIC_F), v3 = s1.y * (__int_as_float(c[3]) - MAGIC_F);
+          if (RES) {
+            v0 += s2.x * (__int_as_float(cr[0]) - MAGIC_F);
+            v1 += s2.y * (__int_as_float(cr[1]) - MAGIC_F);
+            v2 += s2.x * (__int_as_float(cr[2]) - MAGIC_F);
+            v3 += s2.y * (__int_as_float(cr[3]) - MAGIC_F);
+          }
+          acc[r][jj][0] += sa[gi][r] * v0;
+          acc[r][jj][1] += sa[gi][r] * v1;
+          acc[r][jj][2] += sb[gi][r] * v2;
+          acc[r][jj][3] += sb[gi][r] * v3;
+        }
+      }
+    }
+  }
+  copy_wait<0>();
+  write_tile<TJ, R, OUT>(acc, y, partials, counters, M, N, ldy, row0, g, t, wm * TJ);
 }

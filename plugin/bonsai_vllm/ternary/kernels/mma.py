@@ -1,9 +1,10 @@
-"""The ternary layer for 3 to 64 rows on int8 tensor cores, codes decoded in registers (issue 19): `mma.cu`.
+"""The ternary layer for 2 to 64 rows on int8 tensor cores, codes decoded in registers (issue 19): `mma.cu`.
 
 Why CUDA and not Triton: every Triton route tried fed decoded codes to `tl.dot` through shared memory, per
 tile, behind barriers (docs/dev-notes.md: the codes GEMM at 88 µs against bf16's 46 for gate_up at 16 rows).
 In `mma.cu` each thread decodes its own operand registers from the checkpoint's words (two instructions per
-four weights) and issues `mma.sync.m16n8k32.s8` itself; the file's first comment explains the layout.
+four weights) and issues `mma.sync.m16n8k32.s8` itself, while a cp.async pipeline keeps the next stages' codes
+and activations in flight into shared memory; the file's first comment explains the layout.
 
 It is compiled at run time by NVRTC (bonsai_vllm.nvrtc: the CUDA runtime compiler that PyTorch's CUDA wheels
 carry), for the GPU it runs on, once per template instance and process: the serving image needs no nvcc, and
@@ -36,49 +37,72 @@ _OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 class MmaConfig:
     """How one layer's call is cut up (mma.cu's template and grid)."""
 
-    warps: int  # warps per CTA
-    rtiles: int  # 16-row tiles of W per warp (a CTA covers 16 · rtiles · warps output rows)
+    warps: int  # warps along the output rows (a CTA covers 16 · rtiles · warps output rows)
+    rtiles: int  # 16-row tiles of W per warp
     split: int  # slices of K (CTAs along K); > 1: partial sums, added by the tile's last CTA in slice order
     residual: bool  # also the r8 term: x to ~2e-5 instead of int8's ~6e-3
-    prefetch: int = 0  # groups ahead the codes (L2) and activations (L1) are asked for; 0: none
+    stages: int = 4  # shared-memory stages of the cp.async pipeline (stages - 1 in flight)
+    gps: int = 1  # groups of 128 inputs per stage (1, 2 or 4)
+    wm: int = 1  # warps along the batch: each takes 1/wm of the column tiles (the CTA has warps · wm warps)
 
     def __str__(self) -> str:
-        return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)}"
-                + (f" prefetch={self.prefetch}" if self.prefetch else ""))
+        return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)} "
+                f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else ""))
 
     def rows_per_cta(self) -> int:
         return 16 * self.rtiles * self.warps
 
+    def shared_bytes(self, tiles: int) -> int:
+        """Static shared memory for `tiles` column tiles of 8 batch rows (mma.cu's PipeStage · stages)."""
+        res = int(self.residual)
+        pitch = 8 * self.gps + (4 if self.gps == 4 else 0)  # PipeStage::CWP
+        words = (self.rows_per_cta() * pitch + (1 + res) * 8 * tiles * 4 * 8 * self.gps
+                 + self.gps * (2 + 2 * res) * 8 * tiles)
+        return self.stages * 4 * words
+
+    def fits(self, tiles: int) -> bool:
+        return tiles % self.wm == 0 and self.shared_bytes(tiles) <= SHARED_MAX
+
+
+SHARED_MAX = 48 * 1024  # static shared memory of one CTA (without opting in: sm_90 and sm_120 alike)
 
 # Batch rows up to which the residual term runs: on the H200 (benchmarks/mma_gemm.py, docs/benchmarks.md) it
-# costs 1.1-1.6x the plain kernel there and still beats the route it replaces at every shape; plain int8
+# costs 1.05-1.3x the plain kernel there and still beats the route it replaces at every shape; plain int8
 # activations (error ~6.5e-3 against float32, the served int8 prefill route's kind) above.
 RESIDUAL_MAX_M = 8
 
 
 def default_config(m: int, n: int, k: int) -> MmaConfig | None:
     """The configuration for m rows through a layer of N outputs and K inputs; None where the kernel does
-    not apply (K not whole groups, N not whole CTA tiles, m outside 1..MAX_ROWS). Four warps of one row tile
-    (more warps, two row tiles and prefetching were no faster, docs/benchmarks.md). K slices, from the H200
-    sweep of splits 1-8 at every shape: up to RESIDUAL_MAX_M rows, the fewest that give >= 440 CTAs (gate_up
-    2, qkv and GDN-in 4, down, o_proj and GDN-out 8: each the sweep's best or within 3 % of it); above, 4."""
+    not apply (K not whole groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
+
+    From the H200 sweep (benchmarks/mma_gemm.py --pipe, 6 shapes × M 1-64, docs/benchmarks.md): four warps of
+    one row tile; up to 24 rows two stages of four groups (long reads per row, the most bytes in flight), from
+    32 rows shorter stages and two warps along the batch; K slices: the fewest (a power of two, >= 3 groups
+    each) that give at least `ctas` CTAs. The rule is within 3-9 % of each (shape, M)'s best on average."""
     if k % GROUP or not 1 <= m <= MAX_ROWS:
         return None
-    residual = m <= RESIDUAL_MAX_M
-    cfg = MmaConfig(warps=4, rtiles=1, split=1, residual=residual)
+    tiles = -(-m // 8)
+    if tiles <= 3:
+        stages, gps, wm, ctas = 2, 4, 1, (384 if tiles == 1 else 256)
+    elif tiles == 4:
+        stages, gps, wm, ctas = 3, 2, 2, 192
+    else:
+        stages, gps, wm, ctas = 4, 1, (2 if tiles % 2 == 0 else 1), (512 if tiles == 8 else 192)
+    cfg = MmaConfig(warps=4, rtiles=1, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps, wm=wm)
     if n % cfg.rows_per_cta():
         return None
-    ctas, groups = n // cfg.rows_per_cta(), k // GROUP
+    tiles_n, groups = n // cfg.rows_per_cta(), k // GROUP
     split = 1
-    while (ctas * split < 440 if residual else split < 4) and groups // (split * 2) >= 3:
+    while tiles_n * split < ctas and groups // (split * 2) >= 3:
         split *= 2
-    return MmaConfig(cfg.warps, cfg.rtiles, split, residual)
+    return MmaConfig(cfg.warps, cfg.rtiles, split, cfg.residual, stages, gps, wm)
 
 
 def template(tiles: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
     """The kernel instance's C++ name (NVRTC name expression)."""
-    return (f"ternary_mma<{tiles}, {config.rtiles}, {config.warps}, {str(config.residual).lower()}, "
-            f"{_OUT[out_dtype]}, {config.prefetch}>")
+    return (f"ternary_mma<{tiles}, {config.rtiles}, {config.warps}, {config.wm}, {str(config.residual).lower()}, "
+            f"{_OUT[out_dtype]}, {config.stages}, {config.gps}>")
 
 
 @functools.cache
@@ -124,18 +148,19 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     m = act.rows
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"mma.gemm: {m} rows; the kernel takes 1 to {MAX_ROWS}")
-    if kw % 8 or n % config.rows_per_cta():
+    tiles = -(-m // 8)
+    if kw % 8 or n % config.rows_per_cta() or not config.fits(tiles):
         raise ValueError(f"mma.gemm: N = {n}, K = {kw * 16} do not fit {config} (N a multiple of "
-                         f"{config.rows_per_cta()}, K of {GROUP})")
+                         f"{config.rows_per_cta()}, K of {GROUP}; {-(-m // 8)} column tiles a multiple of wm, "
+                         f"shared memory within {SHARED_MAX} bytes)")
     y = torch.empty(m, n, dtype=torch.float32, device=packed.device) if out is None else out.view(m, n)
     if y.stride(1) != 1:
         raise ValueError("mma.gemm: out needs unit stride along N")
     per, splits = _slices(kw // 8, config.split)
-    tiles = -(-m // 8)
     ctas = n // config.rows_per_cta()
     partials, counters = workspace.get(splits * m * n if splits > 1 else 1, ctas)
     fn = kernel(tiles, config, y.dtype, packed.device)
-    fn(grid=(ctas, splits, 1), block=(32 * config.warps, 1, 1),
+    fn(grid=(ctas, splits, 1), block=(32 * config.warps * config.wm, 1, 1),
        args=[packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
              y.stride(0)])
     return y
