@@ -64,10 +64,10 @@ def test_default_config_at_the_27bs_shapes(kern):
     ms = (2, 8, 9, 24, 32, 48, 64)
     splits = {name: [kern.mma.default_config(m, n, k).split for m in ms] for name, (k, n) in LAYERS.items()}
     # the H200 sweep's rule (docs/benchmarks.md): the fewest K slices that give >= 384 CTAs at one column tile,
-    # 256 at two or three, 192 at four to seven, 512 at eight (64-row CTAs; >= 3 groups per slice)
-    assert splits == {"gate_up": [2, 2, 1, 1, 1, 1, 2], "down": [8, 8, 4, 4, 4, 4, 8], "qkv": [4, 4, 4, 4, 2, 2, 8],
-                      "o_proj": [8, 8, 4, 4, 4, 4, 8], "gdn_in": [4, 4, 2, 2, 2, 2, 4],
-                      "gdn_out": [8, 8, 4, 4, 4, 4, 8], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
+    # 256 at two or three, 512 at four, 192 at five to seven, 512 at eight (64-row CTAs; >= 3 groups per slice)
+    assert splits == {"gate_up": [2, 2, 1, 1, 2, 1, 2], "down": [8, 8, 4, 4, 8, 4, 8], "qkv": [4, 4, 4, 4, 8, 2, 8],
+                      "o_proj": [8, 8, 4, 4, 8, 4, 8], "gdn_in": [4, 4, 2, 2, 4, 2, 4],
+                      "gdn_out": [8, 8, 4, 4, 8, 4, 8], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
     for m in range(1, kern.mma.MAX_ROWS + 1):
         cfg = kern.mma.default_config(m, 5120, 5120)
         tiles = -(-m // 8)
@@ -75,6 +75,7 @@ def test_default_config_at_the_27bs_shapes(kern):
         # every chosen instance compiles: its column tiles split over wm warps, its stages in 48 KB
         assert cfg.fits(tiles) and tiles % cfg.wm == 0 and cfg.shared_bytes(tiles) <= kern.mma.SHARED_MAX
     assert kern.mma.default_config(3, 5120, 5120 + 64) is None  # K not whole scale groups
+    assert kern.mma.default_config(3, 5120, 5120 + 128) is None  # an odd number of groups (scales by 4 bytes)
     assert kern.mma.default_config(3, 5120 + 16, 5120) is None  # N not whole CTA tiles (64 rows)
     assert kern.mma.default_config(kern.mma.MAX_ROWS + 1, 5120, 5120) is None
 
@@ -89,10 +90,12 @@ def test_template_names_the_instance(kern):
 
 
 def test_shared_bytes_match_the_kernels_layout(kern):
-    # PipeStage: codes [64 rows][8 GPS (+4 at GPS 4)] + x8 (+ r8) [8T · 4][8 GPS] + scalars [GPS][2 or 4][8T], words
+    # PipeStage, in words: codes [64 rows][8 GPS (+4 at GPS 4)] + x8 (+ r8) [8T · 4][8 GPS]
+    # + scalars [GPS][2 or 4][8T] + weight scales [64 rows][GPS / 2 + 1]
     cfg = kern.mma.MmaConfig(4, 1, 1, True, stages=2, gps=4)
-    assert cfg.shared_bytes(1) == 2 * 4 * (64 * 36 + 2 * 8 * 4 * 32 + 4 * 4 * 8)
-    assert kern.mma.MmaConfig(4, 1, 1, False, stages=4, gps=1).shared_bytes(8) == 4 * 4 * (64 * 8 + 64 * 4 * 8 + 2 * 64)
+    assert cfg.shared_bytes(1) == 2 * 4 * (64 * 36 + 2 * 8 * 4 * 32 + 4 * 4 * 8 + 64 * 3)
+    assert (kern.mma.MmaConfig(4, 1, 1, False, stages=4, gps=1).shared_bytes(8)
+            == 4 * 4 * (64 * 8 + 64 * 4 * 8 + 2 * 64 + 64 * 1))
     assert not kern.mma.MmaConfig(4, 2, 1, False, stages=4, gps=2).fits(8)  # 75 KB: past the static 48 KB
     assert not kern.mma.MmaConfig(4, 1, 1, False, wm=2).fits(3)  # three column tiles do not split over two warps
 

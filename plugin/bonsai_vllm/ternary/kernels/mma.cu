@@ -167,9 +167,11 @@ struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loa
   static constexpr int C = 2 * GPS;            // 16-byte chunks per (batch row, lane) per stage
   static constexpr int NX = RES ? 2 : 1;       // x8 (and r8)
   static constexpr int NS = RES ? 4 : 2;       // per batch row and group: s1, Σx8 (, s2, Σr8)
+  static constexpr int WS = GPS / 2 + 1;       // 4-byte words of fp16 weight scales per row per stage
   u32 codes[ROWS * CWP];
   u32 x[NX][MP * 4 * CW];
   u32 scalars[GPS][NS][MP];
+  u32 wscales[ROWS * WS];  // the words holding the stage's groups' scales (from an even group: G is even)
   // The swizzled chunk of (batch row, lane) index ml = 4 m + lane: eight consecutive ml, same chunk q, land on
   // eight different 16-byte bank quads.
   static __device__ __forceinline__ int chunk(int ml, int q) { return ml * C + (q ^ ((ml / (8 / C)) % C)); }
@@ -227,6 +229,14 @@ ternary_mma(const u32* __restrict__ codes, const u16* __restrict__ scales, const
                                : (const void*)(gr + (long)m * G + grp);
       copy4(&s.scalars[gi][k][m], ok ? src : (const void*)sx, ok);
     }
+    // The weight scales come through the pipeline too: read from global inside the loop they missed L1 (the
+    // stages' shared memory leaves it little room) and each stage waited on a DRAM round trip.
+    for (int c = threadIdx.x; c < S::ROWS * S::WS; c += NT) {
+      const int row = c / S::WS, word = (grp0 >> 1) + c % S::WS;  // groups 2 word and 2 word + 1
+      const bool ok = 2 * word < min(g1, grp0 + GPS);
+      copy4(s.wscales + c, ok ? (const void*)(scales + (long)(cta_row0 + row) * G + 2 * word) : (const void*)scales,
+            ok);
+    }
   };
 
   float acc[R][TJ][4];
@@ -243,21 +253,23 @@ ternary_mma(const u32* __restrict__ codes, const u16* __restrict__ scales, const
     copy_commit();
   }
   for (int i = 0; i < nstages; ++i) {
-    // The weight scales of this stage's groups (global, through L1), asked for before the wait.
-    float sa[GPS][R], sb[GPS][R];
-#pragma unroll
-    for (int gi = 0; gi < GPS; ++gi)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int grp = min(g0 + GPS * i + gi, g1 - 1);
-        sa[gi][r] = half_to_float(scales[(long)(row0 + 16 * r + g) * G + grp]);
-        sb[gi][r] = half_to_float(scales[(long)(row0 + 16 * r + g + 8) * G + grp]);
-      }
     copy_wait<STAGES - 2>();  // stage i has landed (for this thread's copies) ...
     __syncthreads();          // ... and for everyone's; and buffer (i - 1) % STAGES is free again
     if (i + STAGES - 1 < nstages) issue(i + STAGES - 1);
     copy_commit();
     const S& s = stage[i % STAGES];
+    // This stage's weight scales: row (local) lr, group grp at half grp - 2 (grp0 / 2) of the row's words.
+    const u16* ws = reinterpret_cast<const u16*>(s.wscales);
+    const int half0 = 2 * ((g0 + GPS * i) >> 1);
+    float sa[GPS][R], sb[GPS][R];
+#pragma unroll
+    for (int gi = 0; gi < GPS; ++gi)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int lr = wr * 16 * R + 16 * r + g, h = g0 + GPS * i + gi - half0;
+        sa[gi][r] = half_to_float(ws[lr * 2 * S::WS + h]);
+        sb[gi][r] = half_to_float(ws[(lr + 8) * 2 * S::WS + h]);
+      }
 #pragma unroll
     for (int gi = 0; gi < GPS; ++gi) {
       if (g0 + GPS * i + gi >= g1) continue;  // the slice's last stage may be short (warp-uniform)

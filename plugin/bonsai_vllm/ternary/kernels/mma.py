@@ -57,7 +57,7 @@ class MmaConfig:
         res = int(self.residual)
         pitch = 8 * self.gps + (4 if self.gps == 4 else 0)  # PipeStage::CWP
         words = (self.rows_per_cta() * pitch + (1 + res) * 8 * tiles * 4 * 8 * self.gps
-                 + self.gps * (2 + 2 * res) * 8 * tiles)
+                 + self.gps * (2 + 2 * res) * 8 * tiles + self.rows_per_cta() * (self.gps // 2 + 1))
         return self.stages * 4 * words
 
     def fits(self, tiles: int) -> bool:
@@ -74,19 +74,20 @@ RESIDUAL_MAX_M = 8
 
 def default_config(m: int, n: int, k: int) -> MmaConfig | None:
     """The configuration for m rows through a layer of N outputs and K inputs; None where the kernel does
-    not apply (K not whole groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
+    not apply (K not an even number of groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
 
     From the H200 sweep (benchmarks/mma_gemm.py --pipe, 6 shapes × M 1-64, docs/benchmarks.md): four warps of
     one row tile; up to 24 rows two stages of four groups (long reads per row, the most bytes in flight), from
     32 rows shorter stages and two warps along the batch; K slices: the fewest (a power of two, >= 3 groups
-    each) that give at least `ctas` CTAs. The rule is within 3-9 % of each (shape, M)'s best on average."""
-    if k % GROUP or not 1 <= m <= MAX_ROWS:
+    each) that give at least `ctas` CTAs. Per row count the rule is on average within 0-7 % of each shape's
+    best configuration in the sweep (at most 24 % off: qkv at 16 rows)."""
+    if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
     tiles = -(-m // 8)
     if tiles <= 3:
         stages, gps, wm, ctas = 2, 4, 1, (384 if tiles == 1 else 256)
     elif tiles == 4:
-        stages, gps, wm, ctas = 3, 2, 2, 192
+        stages, gps, wm, ctas = 3, 2, 2, 512
     else:
         stages, gps, wm, ctas = 4, 1, (2 if tiles % 2 == 0 else 1), (512 if tiles == 8 else 192)
     cfg = MmaConfig(warps=4, rtiles=1, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps, wm=wm)
@@ -149,9 +150,9 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"mma.gemm: {m} rows; the kernel takes 1 to {MAX_ROWS}")
     tiles = -(-m // 8)
-    if kw % 8 or n % config.rows_per_cta() or not config.fits(tiles):
+    if kw % 16 or n % config.rows_per_cta() or not config.fits(tiles):
         raise ValueError(f"mma.gemm: N = {n}, K = {kw * 16} do not fit {config} (N a multiple of "
-                         f"{config.rows_per_cta()}, K of {GROUP}; {-(-m // 8)} column tiles a multiple of wm, "
+                         f"{config.rows_per_cta()}, K of {2 * GROUP}; {-(-m // 8)} column tiles a multiple of wm, "
                          f"shared memory within {SHARED_MAX} bytes)")
     y = torch.empty(m, n, dtype=torch.float32, device=packed.device) if out is None else out.view(m, n)
     if y.stride(1) != 1:
