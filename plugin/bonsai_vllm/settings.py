@@ -154,15 +154,15 @@ SETTINGS: tuple[Setting, ...] = (
             "adapters/embedding.py", choices=("sample", "full", "off")),
     # ---- the ternary linear layers (ternary/kernels/; docs/benchmarks.md)
     Setting("BONSAI_DP4A_GEMV", "bool", True,
-            "Decode batches of one or two rows (one user's step; two with MTP on) through the dp4a GEMV (int8 "
-            "activations + residual, four weights per instruction; on the H200 1.09-1.76x the fma GEMV at one "
-            "row, 1.06-1.41x at two) instead of the fma GEMV. 0: the fma GEMV. make gpu-check passed it at every "
-            "real shape on the H200 (2026-12-01, docs/benchmarks.md, issue 19).",
+            "Decode steps of one row (one user, MTP off) through the dp4a GEMV (int8 activations + residual, "
+            "four weights per instruction; on the H200 1.09-1.76x the fma GEMV) instead of the fma GEMV. 0: the "
+            "fma GEMV. make gpu-check passed it at every real shape on the H200 (docs/benchmarks.md, issue 19).",
             "ternary/kernels/linear.py"),
     Setting("BONSAI_MMA_GEMM", "bool", True,
-            "Decode batches of 3 to 16 rows (several users; MTP verify rows) on CUDA through the int8 "
-            "tensor-core kernel that decodes the codes in registers (ternary/kernels/mma.cu, compiled by NVRTC "
-            "at load; on the H200 1.1-2.5x the tensor-core GEMV it replaces). 0: that GEMV (issue 19).",
+            "Decode batches of 2 to 64 rows (one user with MTP; several users; MTP verify rows) on CUDA "
+            "through the int8 tensor-core kernel that decodes the codes in registers behind a cp.async "
+            "pipeline (ternary/kernels/mma.cu, compiled by NVRTC at load; on the H200 1.0-2.4x the routes it "
+            "replaced). 0: the GEMVs it replaced (issue 19).",
             "ternary/kernels/linear.py"),
     # ---- the K3V2 KV cache (kv/, adapters/k3v2_attention.py; docs/kv-cache.md)
     Setting("BONSAI_K3V2_PREFILL_KERNEL", "bool", True,
