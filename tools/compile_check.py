@@ -250,8 +250,9 @@ def compile_cuda(capability: int) -> list[Compiled]:
             report = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(path)], capture_output=True,
                                     text=True, check=True).stdout
             m = _RESOURCES.search(report)
-            out.append(Compiled("ternary_mma", capability, config.warps, 0, int(m.group("shared")),
-                                int(m.group("regs")), int(m.group("stack")) + int(m.group("local")), name))
+            out.append(Compiled("ternary_mma", capability, config.warps * config.wm, config.stages,
+                                int(m.group("shared")), int(m.group("regs")),
+                                int(m.group("stack")) + int(m.group("local")), name))
     return out
 
 
