@@ -179,10 +179,17 @@ struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loa
 
 template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS>
 __global__ void __launch_bounds__(WARPS * WM * 32)
-ternary_mma(const u32* __restrict__ codes, const u16* __restrict__ scales, const u32* __restrict__ xa,
-                 const u32* __restrict__ xr, const int* __restrict__ gx, const int* __restrict__ gr,
-                 const float* __restrict__ sx, void* __restrict__ y, float* __restrict__ partials,
-                 int* __restrict__ counters, int M, int N, int KW, int groups_per_split, int ldy) {
+ternary_mma(const u32* __restrict__ codes,   // [N, KW]
+            const u16* __restrict__ scales,  // fp16 [N, G]
+            const u32* __restrict__ xa,      // [M, 4, KW] planar int8 of x
+            const u32* __restrict__ xr,      // [M, 4, KW] planar int8 of the residual (RES)
+            const int* __restrict__ gx,      // [M, G] Σ x8 per group
+            const int* __restrict__ gr,      // [M, G] Σ r8 per group (RES)
+            const float* __restrict__ sx,    // [M, 2, G] s1, s2 per group
+            void* __restrict__ y,            // [M, ldy] of OUT's type
+            float* __restrict__ partials,    // [splits, M, N] (splits > 1)
+            int* __restrict__ counters,      // [N / (16 R WARPS)] zeros between calls (splits > 1)
+            int M, int N, int KW, int groups_per_split, int ldy) {
   using S = PipeStage<T, R, WARPS, RES, STAGES, GPS>;
   static_assert(GPS == 1 || GPS == 2 || GPS == 4, "a stage is one, two or four groups");
   static_assert(STAGES >= 2, "at least double buffering");
@@ -209,7 +216,8 @@ ternary_mma(const u32* __restrict__ codes, const u16* __restrict__ scales, const
     for (int c = threadIdx.x; c < S::ROWS * S::C; c += NT) {
       const int row = c / S::C, q = c % S::C;
       const bool ok = grp0 + q / 2 < g1;
-      copy16(s.codes + row * S::CWP + 4 * q, ok ? codes + (long)(cta_row0 + row) * KW + 8 * grp0 + 4 * q : codes, ok);
+      copy16(s.codes + row * S::CWP + 4 * q, ok ? codes + (long)(cta_row0 + row) * KW + 8 * grp0 + 4 * q : codes,
+             ok);
     }
 #pragma unroll
     for (int v = 0; v < S::NX; ++v) {
