@@ -43,7 +43,7 @@ def sweep(m: int, n: int, k: int, quick: bool) -> list[MmaConfig]:
     residual = (True, False) if m <= mma.RESIDUAL_MAX_M else (False,)
     tiles = -(-m // 8)
     layouts = [(w, r, 1) for w, r in ((4, 1), (4, 2), (8, 1))]
-    layouts += [(4, r, wm) for r in (1, 2) for wm in (2, 3, 4) if tiles % wm == 0]
+    layouts += [(4, r, wm) for r in (1, 2) for wm in (2, 3, 4)]  # fits() drops wm not dividing the tiles
     cands = [c for c in (MmaConfig(w, r, s, res, st, gps, wm) for w, r, wm in layouts for s in (1, 2, 4, 8)
                          for res in residual for st, gps in ((4, 1), (3, 2), (2, 4)))
              if c.fits(tiles)]
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                        bf16_us=t_bf16, floor_us=floor, all={str(c): t for c, t in timed.items()})
             rows.append(row)
             bk.say(f"  {name:8s} M={m:3d} mma {timed[best]:7.2f} µs ({best}, err {err:.1e}; residual "
-                   f"{fast[True]:.2f} plain {fast[False]:.2f}; default {t_default:.2f}) +prep {t_prep:7.2f}  today {t_today:7.2f}  "
-                   f"bf16 {t_bf16:7.2f}  floor {floor:5.2f}")
+                   f"{fast[True]:.2f} plain {fast[False]:.2f}; default {t_default:.2f}) +prep {t_prep:7.2f}  "
+                   f"today {t_today:7.2f}  bf16 {t_bf16:7.2f}  floor {floor:5.2f}")
             (out / "mma-gemm.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
     lines = ["| layer | M | mma µs | + prep µs | today µs (route) | × today | bf16 µs | × bf16 (with prep) | "
              "% of copy bw | residual / plain µs | error vs float32 | best config |", "|" + "---|" * 12]

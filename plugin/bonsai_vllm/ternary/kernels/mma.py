@@ -20,7 +20,7 @@ optional), and behind it the float32 layer.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -76,7 +76,7 @@ def default_config(m: int, n: int, k: int) -> MmaConfig | None:
     """The configuration for m rows through a layer of N outputs and K inputs; None where the kernel does
     not apply (K not an even number of groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
 
-    From the H200 sweep (benchmarks/mma_gemm.py --pipe, 6 shapes × M 1-64, docs/benchmarks.md): four warps of
+    From the H200 sweep (benchmarks/mma_gemm.py, 6 shapes × M 1-64, docs/benchmarks.md): four warps of
     one row tile; up to 24 rows two stages of four groups (long reads per row, the most bytes in flight), from
     32 rows shorter stages and two warps along the batch; K slices: the fewest (a power of two, >= 3 groups
     each) that give at least `ctas` CTAs. Per row count the rule is on average within 0-7 % of each shape's
@@ -97,7 +97,7 @@ def default_config(m: int, n: int, k: int) -> MmaConfig | None:
     split = 1
     while tiles_n * split < ctas and groups // (split * 2) >= 3:
         split *= 2
-    return MmaConfig(cfg.warps, cfg.rtiles, split, cfg.residual, stages, gps, wm)
+    return replace(cfg, split=split)
 
 
 def template(tiles: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
@@ -152,7 +152,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     tiles = -(-m // 8)
     if kw % 16 or n % config.rows_per_cta() or not config.fits(tiles):
         raise ValueError(f"mma.gemm: N = {n}, K = {kw * 16} do not fit {config} (N a multiple of "
-                         f"{config.rows_per_cta()}, K of {2 * GROUP}; {-(-m // 8)} column tiles a multiple of wm, "
+                         f"{config.rows_per_cta()}, K of {2 * GROUP}; {tiles} column tiles a multiple of wm, "
                          f"shared memory within {SHARED_MAX} bytes)")
     y = torch.empty(m, n, dtype=torch.float32, device=packed.device) if out is None else out.view(m, n)
     if y.stride(1) != 1:
