@@ -224,17 +224,29 @@ DRIVERS = {"ternary": drive_ternary, "allreduce": drive_allreduce, "kv": drive_k
 _RESOURCES = re.compile(r"REG:(?P<regs>\d+) STACK:(?P<stack>\d+) SHARED:(?P<shared>\d+) LOCAL:(?P<local>\d+)")
 
 
+def cuobjdump() -> Path:
+    """Triton's copy of cuobjdump (no CUDA toolkit needed)."""
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def dump_cubin(cubin: bytes, *flags: str) -> str:
+    """cuobjdump's report on `cubin` with `flags` (e.g. "-sass", "--dump-resource-usage")."""
+    import subprocess
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(cuobjdump()), *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
 def compile_cuda(capability: int) -> list[Compiled]:
     """The CUDA C kernels (ternary/kernels/mma.cu), which NVRTC compiles at load: every instance the dispatch
     launches at the six layers' shapes (the rows of the mma route, y in bf16 and in float32 for a bias), as a
     cubin for `capability`; registers, stack (spills) and static shared memory read by Triton's cuobjdump."""
-    import subprocess
-
-    import triton
-
     from bonsai_vllm.ternary.kernels import linear, mma
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     instances = {}  # template name -> config (the K split is a launch argument, not part of the instance)
     for k, n in LAYERS.values():
         for m in range(linear.DP4A_MAX_M + 1, linear.MMA_MAX_M + 1):
@@ -242,17 +254,12 @@ def compile_cuda(capability: int) -> list[Compiled]:
             for dt in (torch.bfloat16, torch.float32):
                 instances[mma.template(-(-m // 8), config, dt)] = config
     out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, config in sorted(instances.items()):
-            cubin, _ = mma.compile_instance(name, str(capability))
-            path = Path(tmp) / "k.cubin"
-            path.write_bytes(cubin)
-            report = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(path)], capture_output=True,
-                                    text=True, check=True).stdout
-            m = _RESOURCES.search(report)
-            out.append(Compiled("ternary_mma", capability, config.warps * config.wm, config.stages,
-                                int(m.group("shared")), int(m.group("regs")),
-                                int(m.group("stack")) + int(m.group("local")), name))
+    for name, config in sorted(instances.items()):
+        cubin, _ = mma.compile_instance(name, str(capability))
+        m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
+        out.append(Compiled("ternary_mma", capability, config.warps * config.wm, config.stages,
+                            int(m.group("shared")), int(m.group("regs")),
+                            int(m.group("stack")) + int(m.group("local")), name))
     return out
 
 

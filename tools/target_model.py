@@ -29,14 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from tools.compile_check import LAYERS, Compiled, compile_only
+from tools.compile_check import LAYERS, Compiled, compile_only, dump_cubin
 
 
 @dataclass(frozen=True)
@@ -64,19 +62,10 @@ WORK = re.compile(r"\b(IMMA|HMMA|IDP|FFMA|FMUL|IMAD|LOP3)\b")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def cuobjdump() -> Path:
-    import triton
-
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-
-
 def main_loop(cubin: bytes) -> tuple[int, int]:
     """(instructions in the loop body, its tensor/dp4a/FMA work instructions) of the cubin's main loop: of
     the backward branches, the one whose body holds the most work instructions (ties: the shortest)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([str(cuobjdump()), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    sass = dump_cubin(cubin, "-sass")
     ins = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _LINE.finditer(sass)]
     loops = []
     for addr, op, rest in ins:

@@ -9,9 +9,9 @@ import torch
 
 @pytest.fixture(scope="module")
 def tm():
-    from tools import target_model
+    from tools import compile_check, target_model
 
-    if not target_model.cuobjdump().exists():
+    if not compile_check.cuobjdump().exists():
         pytest.skip("Triton's cuobjdump is not installed")
     return target_model
 
