@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.
     t0 = time.time()
-    wanted = {(-(-m // 8), c, torch.bfloat16) for name, k, n in SHAPES for m in ms for c in sweep(m, n, k, args.quick)}
+    wanted = {(c.tiles(m), c, torch.bfloat16) for name, k, n in SHAPES for m in ms for c in sweep(m, n, k, args.quick)}
     wanted |= {(t, c, torch.float32) for t, c, _ in wanted}
     cap = "".join(map(str, torch.cuda.get_device_capability()))
     with ThreadPoolExecutor(16) as pool:  # NVRTC on the host's cores; the modules load in this thread

@@ -63,17 +63,19 @@ def test_residual_and_plain_errors_against_float32(kern):
 def test_default_config_at_the_27bs_shapes(kern):
     ms = (2, 8, 9, 24, 32, 48, 64)
     splits = {name: [kern.mma.default_config(m, n, k).split for m in ms] for name, (k, n) in LAYERS.items()}
-    # the H200 sweep's rule (docs/benchmarks.md): the fewest K slices that give >= 384 CTAs at one column tile,
-    # 256 at two or three, 512 at four, 192 at five to seven, 512 at eight (64-row CTAs; >= 3 groups per slice)
-    assert splits == {"gate_up": [2, 2, 1, 1, 2, 1, 2], "down": [8, 8, 4, 4, 8, 4, 8], "qkv": [4, 4, 4, 4, 8, 2, 8],
-                      "o_proj": [8, 8, 4, 4, 8, 4, 8], "gdn_in": [4, 4, 2, 2, 4, 2, 4],
-                      "gdn_out": [8, 8, 4, 4, 8, 4, 8], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
+    # the H200 sweep's rule (docs/benchmarks.md): one column tile: the fewest K slices that give >= 384 CTAs
+    # (>= 3 groups each); two or three: one slice; four or eight: >= 768 CTAs, six: 384 with 128-row CTAs
+    # (>= 6 groups each)
+    assert splits == {"gate_up": [2, 2, 1, 1, 4, 4, 4], "down": [8, 8, 1, 1, 8, 8, 8], "qkv": [4, 4, 1, 1, 4, 4, 4],
+                      "o_proj": [8, 8, 1, 1, 4, 4, 4], "gdn_in": [4, 4, 1, 1, 4, 4, 4],
+                      "gdn_out": [8, 8, 1, 1, 4, 4, 4], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
     for m in range(1, kern.mma.MAX_ROWS + 1):
         cfg = kern.mma.default_config(m, 5120, 5120)
-        tiles = -(-m // 8)
+        tiles = cfg.tiles(m)
         assert cfg.residual == (m <= kern.mma.RESIDUAL_MAX_M)
-        # every chosen instance compiles: its column tiles split over wm warps, its stages in 48 KB
-        assert cfg.fits(tiles) and tiles % cfg.wm == 0 and cfg.shared_bytes(tiles) <= kern.mma.SHARED_MAX
+        # every chosen instance compiles: its column tiles (at most one padded) split over wm warps, in 48 KB
+        assert 8 * tiles >= m and tiles - -(-m // 8) <= 1 and tiles % cfg.wm == 0
+        assert cfg.fits(tiles) and cfg.shared_bytes(tiles) <= kern.mma.SHARED_MAX
     assert kern.mma.default_config(3, 5120, 5120 + 64) is None  # K not whole scale groups
     assert kern.mma.default_config(3, 5120, 5120 + 128) is None  # an odd number of groups (scales by 4 bytes)
     assert kern.mma.default_config(3, 5120 + 16, 5120) is None  # N not whole CTA tiles (64 rows)
@@ -98,6 +100,8 @@ def test_shared_bytes_match_the_kernels_layout(kern):
             == 4 * 4 * (64 * 8 + 64 * 4 * 8 + 2 * 64 + 64 * 1))
     assert not kern.mma.MmaConfig(4, 2, 1, False, stages=4, gps=2).fits(8)  # 75 KB: past the static 48 KB
     assert not kern.mma.MmaConfig(4, 1, 1, False, wm=2).fits(3)  # three column tiles do not split over two warps
+    assert [kern.mma.MmaConfig(4, 1, 1, False, wm=4).tiles(m) for m in (1, 8, 25, 32, 33, 56, 57, 64)] == [
+        4, 4, 4, 4, 8, 8, 8, 8]  # rounded up to whole groups of wm column tiles
 
 
 def test_route_takes_mma_between_dp4a_and_the_gemv(kern):
@@ -143,7 +147,8 @@ def _nvrtc_or_skip():
 def test_nvrtc_compiles_the_served_instances_without_a_gpu(kern, arch):
     nvrtc = _nvrtc_or_skip()
     for m in (2, 16, 64):
-        name = kern.mma.template(-(-m // 8), kern.mma.default_config(m, 17408, 5120), torch.bfloat16)
+        cfg = kern.mma.default_config(m, 17408, 5120)
+        name = kern.mma.template(cfg.tiles(m), cfg, torch.bfloat16)
         cubin, symbol = nvrtc.compile_cuda(kern.mma.SOURCE.read_text(), name, arch)
         assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z11ternary_mma"), (name, symbol)
 

@@ -49,6 +49,11 @@ class MmaConfig:
         return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)} "
                 f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else ""))
 
+    def tiles(self, m: int) -> int:
+        """Column tiles of the instance that runs m rows: 8 rows each, rounded up to a multiple of wm. The
+        padding's columns are multiplied and never stored (batch rows past M are not even copied in)."""
+        return -(-m // (8 * self.wm)) * self.wm
+
     def rows_per_cta(self) -> int:
         return 16 * self.rtiles * self.warps
 
@@ -72,30 +77,34 @@ SHARED_MAX = 48 * 1024  # static shared memory of one CTA (without opting in: sm
 RESIDUAL_MAX_M = 8
 
 
+# Per column tiles T (8 batch rows each): (row tiles per warp, stages, groups per stage, warps along the batch,
+# CTAs the K slices aim for, fewest groups of 128 in a slice). From the H200 sweep of the copy-plan kernel (benchmarks/mma_gemm.py, 6 shapes ×
+# M = 2-64, docs/benchmarks.md): up to 24 rows two stages of four groups and no K split past one slice per CTA
+# row from 16 rows (a split cost o_proj 3 µs at 16 rows, more than the parallelism it bought); from 32 rows
+# one-group stages and warps along the batch. T = 7 runs T = 8's instance (one padded column tile: 1.1-1.2× faster
+# than seven tiles on one warp, on five of the six layers); T = 5 on one warp beat T = 6's instance on four.
+_BY_TILES = {1: (1, 2, 4, 1, 384, 3), 2: (1, 2, 4, 1, 0, 6), 3: (1, 2, 4, 1, 0, 6), 4: (1, 4, 1, 2, 768, 6),
+             5: (1, 4, 1, 1, 768, 6), 6: (2, 4, 1, 3, 384, 6), 7: (1, 4, 1, 4, 768, 6), 8: (1, 4, 1, 4, 768, 6)}
+
+
 def default_config(m: int, n: int, k: int) -> MmaConfig | None:
     """The configuration for m rows through a layer of N outputs and K inputs; None where the kernel does
     not apply (K not an even number of groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
 
-    From the H200 sweep (benchmarks/mma_gemm.py, 6 shapes × M 1-64, docs/benchmarks.md): four warps of
-    one row tile; up to 24 rows two stages of four groups (long reads per row, the most bytes in flight), from
-    32 rows shorter stages and two warps along the batch; K slices: the fewest (a power of two, >= 3 groups
-    each) that give at least `ctas` CTAs. Per row count the rule is on average within 0-7 % of each shape's
-    best configuration in the sweep (at most 24 % off: qkv at 16 rows)."""
+    Four warps along the output rows; the rest per column tile count from `_BY_TILES`; K slices: the fewest
+    (a power of two, with at least the table's groups each) that give the CTAs aimed for. Per row count
+    the rule is on average within 1-5 % of each swept shape's best configuration (at most 23 %: o_proj at
+    16 rows)."""
     if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
     tiles = -(-m // 8)
-    if tiles <= 3:
-        stages, gps, wm, ctas = 2, 4, 1, (384 if tiles == 1 else 256)
-    elif tiles == 4:
-        stages, gps, wm, ctas = 3, 2, 2, 512
-    else:
-        stages, gps, wm, ctas = 4, 1, (2 if tiles % 2 == 0 else 1), (512 if tiles == 8 else 192)
-    cfg = MmaConfig(warps=4, rtiles=1, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps, wm=wm)
+    rtiles, stages, gps, wm, ctas, min_groups = _BY_TILES[tiles]
+    cfg = MmaConfig(warps=4, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps, wm=wm)
     if n % cfg.rows_per_cta():
         return None
     tiles_n, groups = n // cfg.rows_per_cta(), k // GROUP
     split = 1
-    while tiles_n * split < ctas and groups // (split * 2) >= 3:
+    while tiles_n * split < ctas and groups // (split * 2) >= min_groups:
         split *= 2
     return replace(cfg, split=split)
 
@@ -149,7 +158,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     m = act.rows
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"mma.gemm: {m} rows; the kernel takes 1 to {MAX_ROWS}")
-    tiles = -(-m // 8)
+    tiles = config.tiles(m)
     if kw % 16 or n % config.rows_per_cta() or not config.fits(tiles):
         raise ValueError(f"mma.gemm: N = {n}, K = {kw * 16} do not fit {config} (N a multiple of "
                          f"{config.rows_per_cta()}, K of {2 * GROUP}; {tiles} column tiles a multiple of wm, "
