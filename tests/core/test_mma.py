@@ -69,6 +69,10 @@ def test_default_config_at_the_27bs_shapes(kern):
     assert splits == {"gate_up": [2, 2, 1, 1, 4, 4, 4], "down": [8, 8, 1, 1, 8, 8, 8], "qkv": [4, 4, 1, 1, 4, 4, 4],
                       "o_proj": [8, 8, 1, 1, 4, 4, 4], "gdn_in": [4, 4, 1, 1, 4, 4, 4],
                       "gdn_out": [8, 8, 1, 1, 4, 4, 4], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
+    # at six column tiles the wide layers take 128-row CTAs with three batch warps, the 5120-wide ones 64-row
+    # CTAs with two
+    assert [(c.rtiles, c.wm) for c in (kern.mma.default_config(48, n, k) for k, n in LAYERS.values())] == [
+        (2, 3), (1, 2), (2, 3), (1, 2), (2, 3), (1, 2), (2, 3)]
     for m in range(1, kern.mma.MAX_ROWS + 1):
         cfg = kern.mma.default_config(m, 5120, 5120)
         tiles = cfg.tiles(m)

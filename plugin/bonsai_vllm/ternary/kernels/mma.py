@@ -78,11 +78,12 @@ RESIDUAL_MAX_M = 8
 
 
 # Per column tiles T (8 batch rows each): (row tiles per warp, stages, groups per stage, warps along the batch,
-# CTAs the K slices aim for, fewest groups of 128 in a slice). From the H200 sweep of the copy-plan kernel (benchmarks/mma_gemm.py, 6 shapes ×
-# M = 2-64, docs/benchmarks.md): up to 24 rows two stages of four groups and no K split past one slice per CTA
-# row from 16 rows (a split cost o_proj 3 µs at 16 rows, more than the parallelism it bought); from 32 rows
-# one-group stages and warps along the batch. T = 7 runs T = 8's instance (one padded column tile: 1.1-1.2× faster
-# than seven tiles on one warp, on five of the six layers); T = 5 on one warp beat T = 6's instance on four.
+# CTAs the K slices aim for, fewest groups of 128 in a slice). From the H200 sweep of the copy-plan kernel
+# (benchmarks/mma_gemm.py, 6 shapes × M = 2-64, docs/benchmarks.md): up to 24 rows two stages of four groups,
+# and from 9 rows one K slice (a second cost o_proj 3 µs at 16 rows, more than the parallelism it bought);
+# from 25 rows one-group stages and warps along the batch. T = 7 runs T = 8's instance (one padded column
+# tile: 1.1-1.2× faster than seven tiles on one warp on five of the six layers); T = 5 on one warp beat
+# T = 6's instance on four.
 _BY_TILES = {1: (1, 2, 4, 1, 384, 3), 2: (1, 2, 4, 1, 0, 6), 3: (1, 2, 4, 1, 0, 6), 4: (1, 4, 1, 2, 768, 6),
              5: (1, 4, 1, 1, 768, 6), 6: (2, 4, 1, 3, 384, 6), 7: (1, 4, 1, 4, 768, 6), 8: (1, 4, 1, 4, 768, 6)}
 
@@ -93,12 +94,14 @@ def default_config(m: int, n: int, k: int) -> MmaConfig | None:
 
     Four warps along the output rows; the rest per column tile count from `_BY_TILES`; K slices: the fewest
     (a power of two, with at least the table's groups each) that give the CTAs aimed for. Per row count
-    the rule is on average within 1-5 % of each swept shape's best configuration (at most 23 %: o_proj at
+    the rule is on average within 1-5 % of each swept shape's best configuration (at most 23 %: down at
     16 rows)."""
     if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
     tiles = -(-m // 8)
     rtiles, stages, gps, wm, ctas, min_groups = _BY_TILES[tiles]
+    if rtiles == 2 and n < 48 * 128:  # under 48 rows of 128-row CTAs (o_proj, down, GDN out at 48 rows): 64-row
+        rtiles, wm = 1, 2             # CTAs with two batch warps (o_proj 20.7 µs against 23.8 in the sweep)
     cfg = MmaConfig(warps=4, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps, wm=wm)
     if n % cfg.rows_per_cta():
         return None
