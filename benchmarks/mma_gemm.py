@@ -67,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.
     t0 = time.time()
-    wanted = {(c.tiles(m), c, torch.bfloat16) for name, k, n in SHAPES for m in ms for c in sweep(m, n, k, args.quick)}
-    wanted |= {(t, c, torch.float32) for t, c, _ in wanted}
+    wanted = {mma.template(m, c, dt): (m, c, dt) for name, k, n in SHAPES for m in ms
+              for c in sweep(m, n, k, args.quick) for dt in (torch.bfloat16, torch.float32)}
     cap = "".join(map(str, torch.cuda.get_device_capability()))
     with ThreadPoolExecutor(16) as pool:  # NVRTC on the host's cores; the modules load in this thread
-        list(pool.map(lambda a: mma.compile_instance(mma.template(*a), cap), sorted(wanted, key=str)))
-    for a in wanted:
+        list(pool.map(lambda name: mma.compile_instance(name, cap), sorted(wanted)))
+    for a in wanted.values():
         mma.kernel(*a, torch.device(dev))
     bk.say(f"compiled {len(wanted)} instances in {time.time() - t0:.1f} s")
     deadline = time.time() + args.budget

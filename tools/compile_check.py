@@ -252,7 +252,7 @@ def compile_cuda(capability: int) -> list[Compiled]:
         for m in range(linear.DP4A_MAX_M + 1, linear.MMA_MAX_M + 1):
             config = mma.default_config(m, n, k)
             for dt in (torch.bfloat16, torch.float32):
-                instances[mma.template(config.tiles(m), config, dt)] = config
+                instances[mma.template(m, config, dt)] = config
     out = []
     for name, config in sorted(instances.items()):
         cubin, _ = mma.compile_instance(name, str(capability))

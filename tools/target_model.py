@@ -132,7 +132,7 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
             launches.append(Launch(c.kernel, body, 0, 0, 0.0, m * k * 4.0))
     if route.path == "mma":
         cfg = route.config
-        cubin, _ = mma.compile_instance(mma.template(cfg.tiles(m), cfg, torch.bfloat16), str(card.arch))
+        cubin, _ = mma.compile_instance(mma.template(m, cfg, torch.bfloat16), str(card.arch))
         body, _ = main_loop(cubin)
         # one iteration is one pipeline stage: a warp's 16 · rtiles rows × gps groups of 128 inputs, for its
         # 1/wm of the column tiles (wm warps walk the same weights)

@@ -89,10 +89,12 @@ def test_default_config_at_the_27bs_shapes(kern):
 def test_template_names_the_instance(kern):
     cfg = kern.mma.MmaConfig(warps=4, rtiles=1, split=8, residual=True, stages=2, gps=4)
     # the split is a launch argument: two splits share one compiled instance
-    assert kern.mma.template(2, cfg, torch.bfloat16) == "ternary_mma<2, 1, 4, 1, true, 1, 2, 4>"
-    assert kern.mma.template(2, kern.mma.MmaConfig(4, 1, 2, True, 2, 4), torch.bfloat16) == kern.mma.template(2, cfg, torch.bfloat16)
-    assert (kern.mma.template(8, kern.mma.MmaConfig(8, 2, 1, False, 3, 1, wm=2), torch.float32)
+    assert kern.mma.template(16, cfg, torch.bfloat16) == "ternary_mma<2, 1, 4, 1, true, 1, 2, 4>"
+    assert kern.mma.template(9, kern.mma.MmaConfig(4, 1, 2, True, 2, 4), torch.bfloat16) == kern.mma.template(16, cfg, torch.bfloat16)
+    assert (kern.mma.template(64, kern.mma.MmaConfig(8, 2, 1, False, 3, 1, wm=2), torch.float32)
             == "ternary_mma<8, 2, 8, 2, false, 0, 3, 1>")
+    # rows name the instance: 49-56 rows on four batch warps run the eight-tile one (a padded tile)
+    assert kern.mma.template(50, kern.mma.MmaConfig(4, 1, 4, False, 4, 1, wm=4), torch.bfloat16).startswith("ternary_mma<8,")
 
 
 def test_shared_bytes_match_the_kernels_layout(kern):
@@ -152,7 +154,7 @@ def test_nvrtc_compiles_the_served_instances_without_a_gpu(kern, arch):
     nvrtc = _nvrtc_or_skip()
     for m in (2, 16, 64):
         cfg = kern.mma.default_config(m, 17408, 5120)
-        name = kern.mma.template(cfg.tiles(m), cfg, torch.bfloat16)
+        name = kern.mma.template(m, cfg, torch.bfloat16)
         cubin, symbol = nvrtc.compile_cuda(kern.mma.SOURCE.read_text(), name, arch)
         assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z11ternary_mma"), (name, symbol)
 

@@ -20,7 +20,7 @@ def test_main_loop_is_the_mma_loop(tm):
     from bonsai_vllm.ternary.kernels import mma
 
     try:
-        cubin, _ = mma.compile_instance(mma.template(1, mma.default_config(3, 17408, 5120), torch.bfloat16), "120")
+        cubin, _ = mma.compile_instance(mma.template(3, mma.default_config(3, 17408, 5120), torch.bfloat16), "120")
     except OSError as e:
         pytest.skip(f"no NVRTC here: {e}")
     cfg = mma.default_config(3, 17408, 5120)

@@ -139,7 +139,7 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
             tw.mma = configs
             for rows in range(DP4A_MAX_M + 1, MMA_MAX_M + 1):  # compiled and loaded now, not inside a capture
                 mma_kernels.reserve(packed.device, n, k, configs[rows - 1], rows)
-                mma_kernels.kernel(configs[rows - 1].tiles(rows), configs[rows - 1], torch.bfloat16, packed.device)
+                mma_kernels.kernel(rows, configs[rows - 1], torch.bfloat16, packed.device)
     return tw
 
 

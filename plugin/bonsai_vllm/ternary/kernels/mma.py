@@ -112,9 +112,10 @@ def default_config(m: int, n: int, k: int) -> MmaConfig | None:
     return replace(cfg, split=split)
 
 
-def template(tiles: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
-    """The kernel instance's C++ name (NVRTC name expression)."""
-    return (f"ternary_mma<{tiles}, {config.rtiles}, {config.warps}, {config.wm}, {str(config.residual).lower()}, "
+def template(rows: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
+    """The C++ name (NVRTC name expression) of the kernel instance that runs `rows` batch rows: its column tiles
+    are config.tiles(rows), the one place that count is worked out."""
+    return (f"ternary_mma<{config.tiles(rows)}, {config.rtiles}, {config.warps}, {config.wm}, {str(config.residual).lower()}, "
             f"{_OUT[out_dtype]}, {config.stages}, {config.gps}>")
 
 
@@ -130,11 +131,11 @@ def _load(name: str, capability: str, device_index: int):
     return nvrtc.load(*compile_instance(name, capability), device_index)
 
 
-def kernel(tiles: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
-    """The loaded instance for `tiles` column tiles of 8 rows on `device`'s GPU (compiled once per process)."""
+def kernel(rows: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
+    """The loaded instance for `rows` batch rows on `device`'s GPU (compiled once per process)."""
     index = torch.device(device).index or 0
     major, minor = torch.cuda.get_device_capability(index)
-    return _load(template(tiles, config, out_dtype), f"{major}{minor}", index)
+    return _load(template(rows, config, out_dtype), f"{major}{minor}", index)
 
 
 def _slices(groups: int, split: int) -> tuple[int, int]:
@@ -172,7 +173,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     per, splits = _slices(kw // 8, config.split)
     ctas = n // config.rows_per_cta()
     partials, counters = workspace.get(splits * m * n if splits > 1 else 1, ctas)
-    fn = kernel(tiles, config, y.dtype, packed.device)
+    fn = kernel(m, config, y.dtype, packed.device)
     fn(grid=(ctas, splits, 1), block=(32 * config.warps * config.wm, 1, 1),
        args=[packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
              y.stride(0)])
