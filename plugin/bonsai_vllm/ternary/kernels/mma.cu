@@ -66,37 +66,36 @@ __device__ __forceinline__ void store_y(void* y, long i, float v) {
   }
 }
 
+// Calls f(acc, m, n) for each accumulator element of the thread whose batch row m is below M. The element
+// (r, j, e) holds output row n = row0 + 16r + g (e = 0, 1) or + 8 (e = 2, 3), batch row m = 8 (j0 + j) + 2t + e%2.
+template <int T, int R, class F>
+__device__ __forceinline__ void for_each_output(const float (&acc)[R][T][4], int M, int row0, int g, int t, int j0,
+                                                F f) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < T; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = 8 * (j0 + j) + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
+        if (m < M) f(acc[r][j][e], m, n);
+      }
+}
+
 // y (splits == 1), or this CTA's partial tile and, from the tile's last CTA, the slices' sum in slice order.
-// Called by every thread of the CTA (it holds barriers). The accumulator of (r, j) holds rows row0 + 16r + g
-// (e = 0, 1) and + 8 (e = 2, 3), batch rows 8 (j0 + j) + 2t + e%2.
+// Called by every thread of the CTA (it holds barriers).
 template <int T, int R, int OUT>
 __device__ __forceinline__ void write_tile(const float (&acc)[R][T][4], void* y, float* partials, int* counters,
                                            int M, int N, int ldy, int row0, int g, int t, int j0) {
   const int splits = gridDim.y;
   if (splits == 1) {
     if (row0 >= N) return;
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int j = 0; j < T; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = 8 * (j0 + j) + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
-          if (m < M) store_y<OUT>(y, (long)m * ldy + n, acc[r][j][e]);
-        }
+    for_each_output(acc, M, row0, g, t, j0, [&](float v, int m, int n) { store_y<OUT>(y, (long)m * ldy + n, v); });
     return;
   }
-  if (row0 < N) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int j = 0; j < T; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = 8 * (j0 + j) + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
-          if (m < M) partials[((long)blockIdx.y * M + m) * N + n] = acc[r][j][e];
-        }
-  }
+  if (row0 < N)
+    for_each_output(acc, M, row0, g, t, j0,
+                    [&](float v, int m, int n) { partials[((long)blockIdx.y * M + m) * N + n] = v; });
   __threadfence();  // this CTA's partials are visible to whichever CTA comes last
   __syncthreads();
   __shared__ int last;
@@ -104,21 +103,12 @@ __device__ __forceinline__ void write_tile(const float (&acc)[R][T][4], void* y,
   __syncthreads();
   if (!last) return;
   __threadfence();
-  if (row0 < N) {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int j = 0; j < T; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = 8 * (j0 + j) + 2 * t + (e & 1), n = row0 + 16 * r + g + 8 * (e >> 1);
-          if (m < M) {
-            float sum = 0.f;
-            for (int s = 0; s < splits; ++s) sum += __ldcg(partials + ((long)s * M + m) * N + n);
-            store_y<OUT>(y, (long)m * ldy + n, sum);
-          }
-        }
-  }
+  if (row0 < N)
+    for_each_output(acc, M, row0, g, t, j0, [&](float, int m, int n) {
+      float sum = 0.f;
+      for (int s = 0; s < splits; ++s) sum += __ldcg(partials + ((long)s * M + m) * N + n);
+      store_y<OUT>(y, (long)m * ldy + n, sum);
+    });
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next call (and CUDA-graph replays)
 }
 
