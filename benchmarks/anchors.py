@@ -26,11 +26,10 @@ def gemlite_version() -> str | None:
 
 
 def gemlite_layer(packed: torch.Tensor, scales: torch.Tensor):
-    """A gemlite 2-bit group-128 layer over our codes, bf16 in and out (CUDA); None without gemlite."""
-    try:
-        import gemlite
-    except ImportError:
-        return None
+    """A gemlite 2-bit group-128 layer over our codes, bf16 in and out (CUDA; gemlite installed: see
+    gemlite_version)."""
+    import gemlite
+
     n, k = packed.shape[0], packed.shape[1] * 16
     w_q, s, zero = hqq_form(packed, scales)
     layer = gemlite.GemLiteLinear(2, group_size=128, in_features=k, out_features=n,

@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -144,6 +145,36 @@ def random_layer(n: int, k: int, device, seed: int):
     scales = (0.01 + 0.04 * torch.rand(n, k // 128, generator=g, device=device)).to(torch.float16)
     signs = torch.randint(0, 2, (k,), generator=g, device=device).float() * 2 - 1
     return pack_ternary(codes), scales, signs
+
+
+@dataclass
+class ServedCopies:
+    """One random ternary layer [N, K] as the 12 GB cards serve it (W8 not kept: linear.prepare's routes, input
+    taken as rotated) beside its bf16 twin, each in enough copies that consecutive calls miss L2."""
+
+    packed: torch.Tensor  # int32 [N, K/16]
+    scales: torch.Tensor  # fp16 [N, K/128]
+    w_ref: torch.Tensor  # float32 [N, K], the dequantized layer
+    tern: list  # (packed, scales) copies
+    served: list  # linear.TernaryWeights of each copy
+    dense: list  # bf16 [N, K] copies
+    nbytes: float  # codes + scales: the byte floor's bytes
+
+    @property
+    def copies(self) -> int:
+        return len(self.tern)
+
+
+def served_copies(n: int, k: int, device, seed: int, l2: int) -> ServedCopies:
+    from bonsai_vllm.ternary.kernels import linear
+
+    packed, scales, _ = random_layer(n, k, device, seed)
+    w_ref = dequantize(packed, scales, 128)
+    nbytes = n * k / 4 + n * k / 128 * 2
+    tern = [(packed.clone(), scales.clone()) for _ in range(n_copies(int(nbytes), l2))]
+    served = [linear.prepare(p, s, None, expand_int8=False) for p, s in tern]
+    dense = [w_ref.to(torch.bfloat16) for _ in range(n_copies(2 * n * k, l2))]
+    return ServedCopies(packed, scales, w_ref, tern, served, dense, nbytes)
 
 
 def randn(*shape, device, seed: int, dtype=torch.bfloat16) -> torch.Tensor:

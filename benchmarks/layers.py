@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from benchmarks import kernels as bk
 from benchmarks.anchors import gemlite_layer, gemlite_version
-from bonsai_vllm.ternary.reference import dequantize
 
 MS = [1, 4, 16, 24, 48, 64, 128]
 SHAPES = bk.SHAPES
@@ -57,17 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, k, n in SHAPES:
         if name not in layers:
             continue
-        packed, scales, _ = bk.random_layer(n, k, dev, seed=7)
-        w_ref = dequantize(packed, scales, 128)
-        tern_bytes = n * k / 4 + n * k / 128 * 2
-        copies = bk.n_copies(int(tern_bytes), l2)
-        tern = [(packed.clone(), scales.clone()) for _ in range(copies)]
-        tws = [linear.prepare(p, s, None, expand_int8=False) for p, s in tern]
-        dense = [w_ref.to(torch.bfloat16) for _ in range(bk.n_copies(2 * n * k, l2))]
-        gl = [gemlite_layer(p, s) for p, s in tern]
-        if gl[0] is None:
-            gl = None
-        floor = tern_bytes / bw * 1e6
+        layer = bk.served_copies(n, k, dev, seed=7, l2=l2)
+        w_ref, tws, dense, copies = layer.w_ref, layer.served, layer.dense, layer.copies
+        gl = [gemlite_layer(p, s) for p, s in layer.tern] if version else None
+        floor = layer.nbytes / bw * 1e6
         for m in ms:
             if time.time() > deadline:
                 failures.append(f"{name} M={m}: not run (--budget spent)")

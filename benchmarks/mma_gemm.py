@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from benchmarks import kernels as bk
 from bonsai_vllm.ternary.kernels import dp4a, mma
 from bonsai_vllm.ternary.kernels.mma import MmaConfig
-from bonsai_vllm.ternary.reference import dequantize
 
 MS = [1, 2, 3, 4, 8, 16, 24, 32, 48, 64]
 SHAPES = bk.SHAPES
@@ -81,15 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     rows, failures = [], []
     for name, k, n in SHAPES:
-        packed, scales, signs = bk.random_layer(n, k, dev, seed=5)
-        w_ref = dequantize(packed, scales, 128)
-        tern_bytes = n * k / 4 + n * k / 128 * 2
-        copies = bk.n_copies(int(tern_bytes), l2)
-        tern = [(packed.clone(), scales.clone()) for _ in range(copies)]
-        tws = [linear.prepare(p, s, None, expand_int8=False) for p, s in tern]  # today's served routes, x rotated
-        dense = [w_ref.to(torch.bfloat16) for _ in range(bk.n_copies(2 * n * k, l2))]
+        layer = bk.served_copies(n, k, dev, seed=5, l2=l2)  # today's served routes, x rotated
+        packed, scales, w_ref, tern, tws, dense = (layer.packed, layer.scales, layer.w_ref, layer.tern, layer.served,
+                                                   layer.dense)
+        copies = layer.copies
         ws = dp4a.Dp4aWorkspace(dev)
-        floor = tern_bytes / bw * 1e6
+        floor = layer.nbytes / bw * 1e6
         for m in ms:
             if time.time() > deadline:
                 failures.append(f"{name} M={m}: not run (--budget spent)")
