@@ -50,6 +50,16 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// d = a · b + {c0, c1, c0, c1}: the first k-step of a group starts from its column pair's initial values
+// without copying them into d first (two moves per mma saved).
+__device__ __forceinline__ void mma_s8_from(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1, int c0,
+                                            int c1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %11, %10, %11};"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c0), "r"(c1));
+}
+
 // y's element type: OUT 0 float32, 1 bfloat16, 2 float16.
 template <int OUT>
 __device__ __forceinline__ void store_y(void* y, long i, float v) {
@@ -127,17 +137,22 @@ struct alignas(16) u32x4 {
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
   u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
   return a;
 }
 
-__device__ __forceinline__ void copy16(void* dst, const void* src) {
+// The copies take 32-bit shared addresses worked out before the main loop and their predicate as an operand:
+// a generic pointer converted per copy (cvta) and an `if` around each cost ~20 instructions per copy
+// (two special-register reads, 64-bit address arithmetic, a convergence barrier), most of the loop at 16-64 rows.
+__device__ __forceinline__ void copy16(u32 dst, const void* src, bool pred) {
   // .cg: into L2 only, not L1 (codes are read once; activations are re-read by other CTAs from L2).
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(dst)), "l"(src));
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.cg.shared.global [%0], [%1], 16; }"
+               ::"r"(dst), "l"(src), "r"((int)pred));
 }
 
-__device__ __forceinline__ void copy4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(shared_address(dst)), "l"(src));
+__device__ __forceinline__ void copy4(u32 dst, const void* src, bool pred) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 4; }"
+               ::"r"(dst), "l"(src), "r"((int)pred));
 }
 
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;"); }
@@ -198,34 +213,30 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
   const int g1 = min(G, g0 + groups_per_split);
   const int nstages = (g1 - g0 + GPS - 1) / GPS;
 
-  // Every thread copies the same share of every stage: where it reads (at the slice's first group) and where
-  // it writes in a buffer are worked out once here, and a stage only adds its K offset. (Worked out per stage,
-  // the address arithmetic was 1,100 of the loop's 1,200 instructions at 48 rows and bound the kernel there.)
-  // A chunk whose group lies past the slice, or whose batch row lies past M, is not copied: the products only
-  // read groups inside the slice, and a column past M is never stored.
-  constexpr int N_CODE = (S::ROWS * S::C + NT - 1) / NT, N_X = (S::MP * 4 * S::C + NT - 1) / NT;
+  // The copy plan. Chunk c = threadIdx.x + u·NT of a stage's codes is row c / C, 16-byte chunk q = c % C of
+  // that row; NT is a multiple of C, so q (and the chunk's group, q / 2) is the thread's own for every u and
+  // its rows step by NT / C: one source pointer and one shared address per thread, compile-time steps per
+  // copy. The activations go the same way over (batch row, lane) index ml = 4 m + lane, and their swizzle
+  // ((ml / (8 / C)) % C) is the same for every step of NT / C (a multiple of 8 / C · C). A chunk whose group
+  // lies past the slice, or whose row past the CTA or batch row past M, is not copied: the products only read
+  // groups inside the slice, and a column past M is never stored. (Worked out per stage and copy, the address
+  // arithmetic was most of the loop's instructions at 16-64 rows: docs/dev-notes.md.)
+  constexpr int STEP = NT / S::C;  // rows (or ml) between one thread's chunks
+  static_assert(NT % S::C == 0 && (NT / 8) % S::C == 0, "a thread's chunks keep their column and swizzle");
+  constexpr int N_CODE = (S::ROWS + STEP - 1) / STEP, N_X = (S::MP * 4 + STEP - 1) / STEP;
   constexpr int N_SC = (GPS * S::NS * S::MP + NT - 1) / NT, N_WS = (S::ROWS * S::WS + NT - 1) / NT;
-  const u32* code_src[N_CODE];
-  int code_dst[N_CODE], code_grp[N_CODE];  // word in a buffer; group within the stage (GPS: never copied)
+  const int q = threadIdx.x % S::C, first = threadIdx.x / S::C;  // chunk column; first row (or ml)
+  const long step_words = (long)STEP * KW;
+  const u32* code_src = codes + (long)(cta_row0 + first) * KW + 8 * g0 + 4 * q;
+  const u32 code_dst = shared_address(stage[0].codes + first * S::CWP + 4 * q);
+  const u32* x_src[S::NX];
 #pragma unroll
-  for (int u = 0; u < N_CODE; ++u) {
-    const int c = threadIdx.x + u * NT, row = c / S::C, q = c % S::C;
-    code_src[u] = codes + (long)(cta_row0 + row) * KW + 8 * g0 + 4 * q;
-    code_dst[u] = row * S::CWP + 4 * q;
-    code_grp[u] = c < S::ROWS * S::C ? q / 2 : GPS;
-  }
-  const u32* x_src[S::NX][N_X];
-  int x_dst[N_X], x_grp[N_X];
-#pragma unroll
-  for (int u = 0; u < N_X; ++u) {
-    const int c = threadIdx.x + u * NT, ml = c / S::C, q = c % S::C;
-#pragma unroll
-    for (int v = 0; v < S::NX; ++v) x_src[v][u] = (v ? xr : xa) + (long)ml * KW + 8 * g0 + 4 * q;
-    x_dst[u] = 4 * S::chunk(ml, q);
-    x_grp[u] = c < S::MP * 4 * S::C && ml / 4 < M ? q / 2 : GPS;
-  }
+  for (int v = 0; v < S::NX; ++v) x_src[v] = (v ? xr : xa) + (long)first * KW + 8 * g0 + 4 * q;
+  const u32 x_dst = shared_address(stage[0].x[0] + 4 * S::chunk(first, q));
+  const int x_rows = 4 * M;  // ml below this are batch rows of the call
   const u32* sc_src[N_SC];
-  int sc_dst[N_SC], sc_grp[N_SC];
+  u32 sc_dst[N_SC];
+  int sc_grp[N_SC];
 #pragma unroll
   for (int u = 0; u < N_SC; ++u) {
     const int c = threadIdx.x + u * NT, gi = c / (S::NS * S::MP), k = (c / S::MP) % S::NS, m = c % S::MP;
@@ -235,41 +246,53 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
                     : k == 2 ? (const void*)(sx + (long)m * 2 * G + G + grp)
                              : (const void*)(gr + (long)m * G + grp);
     sc_src[u] = reinterpret_cast<const u32*>(src);
-    sc_dst[u] = c;  // scalars[gi][k][m], flattened
+    sc_dst[u] = shared_address(&stage[0].scalars[0][0][0] + c);  // scalars[gi][k][m], flattened
     sc_grp[u] = c < GPS * S::NS * S::MP && m < M ? gi : GPS;
   }
   // The weight scales: words of two fp16 groups from an even group (G is even), so a stage's first word
   // moves by GPS / 2 words per stage, or every other stage at GPS = 1.
   const u16* ws_src[N_WS];
+  u32 ws_dst[N_WS];
   int ws_word[N_WS];  // word within the stage's WS; WS: never copied
 #pragma unroll
   for (int u = 0; u < N_WS; ++u) {
     const int c = threadIdx.x + u * NT;
     ws_src[u] = scales + (long)(cta_row0 + c / S::WS) * G;
+    ws_dst[u] = shared_address(stage[0].wscales + c);
     ws_word[u] = c < S::ROWS * S::WS ? c % S::WS : S::WS;
   }
   auto issue = [&](int i) {
-    S& s = stage[i % STAGES];
+    const u32 at = (i % STAGES) * (u32)sizeof(S);                // the stage's buffer, from stage 0
     const int grp0 = g0 + GPS * i, ngrp = min(GPS, g1 - grp0);  // the stage's groups inside the slice
     const long k_words = 8L * GPS * i;
+    const bool in_slice = q / 2 < ngrp;
 #pragma unroll
     for (int u = 0; u < N_CODE; ++u)
-      if (code_grp[u] < ngrp) copy16(s.codes + code_dst[u], code_src[u] + k_words);
+      copy16(code_dst + at + u * STEP * S::CWP * 4, code_src + u * step_words + k_words,
+             in_slice && ((u + 1) * STEP <= S::ROWS || first + u * STEP < S::ROWS));
 #pragma unroll
     for (int u = 0; u < N_X; ++u)
-      if (x_grp[u] < ngrp)
 #pragma unroll
-        for (int v = 0; v < S::NX; ++v) copy16(s.x[v] + x_dst[u], x_src[v][u] + k_words);
+      for (int v = 0; v < S::NX; ++v)
+        copy16(x_dst + at + u * STEP * S::C * 16 + v * (u32)sizeof(stage[0].x[0]), x_src[v] + u * step_words + k_words,
+               in_slice && first + u * STEP < x_rows);
 #pragma unroll
-    for (int u = 0; u < N_SC; ++u)
-      if (sc_grp[u] < ngrp) copy4(&s.scalars[0][0][0] + sc_dst[u], sc_src[u] + GPS * i);
+    for (int u = 0; u < N_SC; ++u) copy4(sc_dst[u] + at, sc_src[u] + GPS * i, sc_grp[u] < ngrp);
 #pragma unroll
     for (int u = 0; u < N_WS; ++u) {
       const int word = (grp0 >> 1) + ws_word[u];  // holds groups 2 word and 2 word + 1
-      if (ws_word[u] < S::WS && 2 * word < grp0 + ngrp)
-        copy4(s.wscales + (threadIdx.x + u * NT), ws_src[u] + 2 * word);
+      copy4(ws_dst[u] + at, ws_src[u] + 2 * word, ws_word[u] < S::WS && 2 * word < grp0 + ngrp);
     }
   };
+
+  // Where this thread's activation words lie in a stage, per chunk column: its first column tile's ml =
+  // 4 (8 j + g) + t, and the next tiles 32 ml (128 · C words) further, with the same swizzle.
+  int x_word[S::C];
+  {
+    const int ml = 4 * (8 * wm * TJ + g) + t;
+#pragma unroll
+    for (int qq = 0; qq < S::C; ++qq) x_word[qq] = 4 * S::chunk(ml, qq);
+  }
 
   float acc[R][TJ][4];
 #pragma unroll
@@ -304,7 +327,7 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
       }
 #pragma unroll
     for (int gi = 0; gi < GPS; ++gi) {
-      if (g0 + GPS * i + gi >= g1) continue;  // the slice's last stage may be short (warp-uniform)
+      if (GPS > 1 && g0 + GPS * i + gi >= g1) continue;  // the slice's last stage may be short (warp-uniform)
       u32 a[R][4][4];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -325,16 +348,16 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
 #pragma unroll
       for (int jj = 0; jj < TJ; ++jj) {
         const int j = wm * TJ + jj;
-        const int ml = 4 * (8 * j + g) + t;
         u32 b[8], br[8];
+        const int lo_at = x_word[2 * gi] + jj * 128 * S::C, hi_at = x_word[2 * gi + 1] + jj * 128 * S::C;
         {
-          const u32x4 lo = *reinterpret_cast<const u32x4*>(s.x[0] + 4 * S::chunk(ml, 2 * gi));
-          const u32x4 hi = *reinterpret_cast<const u32x4*>(s.x[0] + 4 * S::chunk(ml, 2 * gi + 1));
+          const u32x4 lo = *reinterpret_cast<const u32x4*>(s.x[0] + lo_at);
+          const u32x4 hi = *reinterpret_cast<const u32x4*>(s.x[0] + hi_at);
           b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
         }
         if (RES) {
-          const u32x4 lo = *reinterpret_cast<const u32x4*>(s.x[S::NX - 1] + 4 * S::chunk(ml, 2 * gi));
-          const u32x4 hi = *reinterpret_cast<const u32x4*>(s.x[S::NX - 1] + 4 * S::chunk(ml, 2 * gi + 1));
+          const u32x4 lo = *reinterpret_cast<const u32x4*>(s.x[S::NX - 1] + lo_at);
+          const u32x4 hi = *reinterpret_cast<const u32x4*>(s.x[S::NX - 1] + hi_at);
           br[0] = lo.x, br[1] = lo.y, br[2] = lo.z, br[3] = lo.w, br[4] = hi.x, br[5] = hi.y, br[6] = hi.z,
           br[7] = hi.w;
         }
@@ -353,10 +376,13 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          int c[4] = {MAGIC - x1.x, MAGIC - x1.y, MAGIC - x1.x, MAGIC - x1.y};
-          int cr[4] = {MAGIC - x2.x, MAGIC - x2.y, MAGIC - x2.x, MAGIC - x2.y};
+          int c[4], cr[4];
+          mma_s8_from(c, a[r][0][0], a[r][0][1], a[r][0][2], a[r][0][3], b[0], b[1], MAGIC - x1.x, MAGIC - x1.y);
+          if (RES)
+            mma_s8_from(cr, a[r][0][0], a[r][0][1], a[r][0][2], a[r][0][3], br[0], br[1], MAGIC - x2.x,
+                        MAGIC - x2.y);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
+          for (int q = 1; q < 4; ++q) {
             mma_s8(c, a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], b[2 * q], b[2 * q + 1]);
             if (RES) mma_s8(cr, a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], br[2 * q], br[2 * q + 1]);
           }
