@@ -39,12 +39,13 @@ def sweep(m: int, n: int, k: int, quick: bool) -> list[MmaConfig]:
     d = mma.default_config(m, n, k)
     if quick:
         return [d] if d is not None else []
-    residual = (True, False) if m <= mma.RESIDUAL_MAX_M else (False,)
+    residual = (m <= mma.RESIDUAL_MAX_M,)  # the rule's choice: the sweep times the instances it can serve
     tiles = -(-m // 8)
     layouts = [(w, r, 1) for w, r in ((4, 1), (4, 2), (8, 1))]
     layouts += [(4, r, wm) for r in (1, 2) for wm in (2, 3, 4)]  # fits() drops wm not dividing the tiles
+    pipes = ((4, 1), (6, 1), (8, 1), (3, 2), (4, 2), (5, 2), (2, 4), (3, 4))  # (stages, groups per stage)
     cands = [c for c in (MmaConfig(w, r, s, res, st, gps, wm) for w, r, wm in layouts for s in (1, 2, 4, 8)
-                         for res in residual for st, gps in ((4, 1), (3, 2), (2, 4)))
+                         for res in residual for st, gps in pipes)
              if c.fits(tiles)]
     if d is not None and d not in cands:
         cands.append(d)

@@ -1,13 +1,14 @@
 """Run the served ternary kernels a few times per (layer, rows) so that Nsight Compute can read their counters.
 
     ncu --clock-control none -k regex:'ternary_mma|_gemv_kernel' --section WarpStateStats ... \\
-        python -m benchmarks.ncu_layers --cases gate_up:48,down:16 [--calls 3] [--config "4,2,4,0,4,1,3"]
+        python -m benchmarks.ncu_layers --cases 'gate_up:48 down:16 gate_up:64:4,1,1,0,4,1,1' [--calls 3]
 
 Timing belongs to the benchmarks (CUDA-graph replays over copies that miss L2); this driver only launches
 each case's kernels `calls` times, eagerly, on one weight copy and fresh activations, after one checked call
 (the output against mma.gemm_reference or the dp4a reference), so a profile is never of a wrong kernel. One
 row goes through dp4a (the served one-row route), 2-64 rows through mma.gemm with the default configuration
-or `--config` (MmaConfig's fields in order: warps, rtiles, split, residual, stages, gps, wm)."""
+or the case's own (`layer:rows:config`, MmaConfig's fields in order: warps, rtiles, split, residual, stages,
+gps, wm)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,13 @@ SHAPES = {name: (k, n) for name, k, n in bk.SHAPES}
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", required=True, help="layer:rows,... (layers: " + ", ".join(SHAPES) + ")")
+    ap.add_argument("--cases", required=True, help="layer:rows[:config] separated by spaces or ';' (layers: "
+                    + ", ".join(SHAPES) + "; config: warps,rtiles,split,residual,stages,gps,wm)")
     ap.add_argument("--calls", type=int, default=3)
-    ap.add_argument("--config", default="", help="an MmaConfig for every mma case: warps,rtiles,split,"
-                                                 "residual,stages,gps,wm")
     args = ap.parse_args(argv)
     dev = "cuda"
-    for case in args.cases.split(","):
-        name, m = case.split(":")
+    for case in args.cases.replace(";", " ").split():
+        name, m, *config = case.split(":")
         m = int(m)
         k, n = SHAPES[name]
         packed, scales, _ = bk.random_layer(n, k, dev, seed=7)
@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             run = lambda: dp4a.gemv(act, packed, scales, cfg, ws)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=True)
         else:
-            cfg = (MmaConfig(*(int(v) for v in args.config.split(","))) if args.config
-                   else mma.default_config(m, n, k))
+            cfg = MmaConfig(*(int(v) for v in config[0].split(","))) if config else mma.default_config(m, n, k)
             cfg = MmaConfig(cfg.warps, cfg.rtiles, cfg.split, bool(cfg.residual), cfg.stages, cfg.gps, cfg.wm)
             run = lambda: mma.gemm(act, packed, scales, cfg, ws)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=cfg.residual)

@@ -124,7 +124,8 @@ __device__ __forceinline__ void write_tile(const float (&acc)[R][T][4], void* y,
 
 // Shared memory per stage (words): codes [ROWS][8 GPS], one row per output row of the CTA, as in global; x8
 // (and r8) [8T · 4 lanes][2 GPS chunks of 16 bytes], the chunk order swizzled so that the eight threads of a
-// 16-byte phase (two batch rows, four lanes) hit eight different bank quads; scalars [GPS][s1, Σx8, s2, Σr8][8T].
+// 16-byte phase (two batch rows, four lanes) hit eight different bank quads; scalars [GPS][4T pairs of batch
+// rows][s1, Σx8, s2, Σr8][2]: a thread's two columns' scalars are one 16-byte load (two with the residual).
 // Batch rows past M and groups past the slice are not copied (their columns are never stored, their groups
 // never read).
 
@@ -174,7 +175,7 @@ struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loa
   static constexpr int WS = GPS / 2 + 1;       // 4-byte words of fp16 weight scales per row per stage
   u32 codes[ROWS * CWP];
   u32 x[NX][MP * 4 * CW];
-  u32 scalars[GPS][NS][MP];
+  u32 scalars[GPS][MP / 2][NS][2];
   u32 wscales[ROWS * WS];  // the words holding the stage's groups' scales (from an even group: G is even)
   // The swizzled chunk of (batch row, lane) index ml = 4 m + lane: eight consecutive ml, same chunk q, land on
   // eight different 16-byte bank quads.
@@ -246,7 +247,7 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
                     : k == 2 ? (const void*)(sx + (long)m * 2 * G + G + grp)
                              : (const void*)(gr + (long)m * G + grp);
     sc_src[u] = reinterpret_cast<const u32*>(src);
-    sc_dst[u] = shared_address(&stage[0].scalars[0][0][0] + c);  // scalars[gi][k][m], flattened
+    sc_dst[u] = shared_address(&stage[0].scalars[gi][m / 2][k][m % 2]);
     sc_grp[u] = c < GPS * S::NS * S::MP && m < M ? gi : GPS;
   }
   // The weight scales: words of two fp16 groups from an even group (G is even), so a stage's first word
@@ -366,13 +367,15 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
         // exactly (|Σ u·x8 - Σx8| < 2^16): one float subtraction instead of an int-to-float conversion, which
         // runs at a quarter of the rate and bound this loop at 16-64 rows.
         const int m0 = 8 * j + 2 * t;
-        const float2 s1 = *reinterpret_cast<const float2*>(&s.scalars[gi][0][m0]);
-        const int2 x1 = *reinterpret_cast<const int2*>(&s.scalars[gi][1][m0]);
+        const u32x4 p1 = *reinterpret_cast<const u32x4*>(&s.scalars[gi][m0 / 2][0][0]);  // s1 (2), Σx8 (2)
+        const float2 s1 = make_float2(__int_as_float(p1.x), __int_as_float(p1.y));
+        const int2 x1 = make_int2(p1.z, p1.w);
         float2 s2 = make_float2(0.f, 0.f);
         int2 x2 = make_int2(0, 0);
         if (RES) {
-          s2 = *reinterpret_cast<const float2*>(&s.scalars[gi][S::NS - 2][m0]);
-          x2 = *reinterpret_cast<const int2*>(&s.scalars[gi][S::NS - 1][m0]);
+          const u32x4 p2 = *reinterpret_cast<const u32x4*>(&s.scalars[gi][m0 / 2][2][0]);  // s2 (2), Σr8 (2)
+          s2 = make_float2(__int_as_float(p2.x), __int_as_float(p2.y));
+          x2 = make_int2(p2.z, p2.w);
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
