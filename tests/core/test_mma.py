@@ -64,15 +64,16 @@ def test_default_config_at_the_27bs_shapes(kern):
     ms = (2, 8, 9, 24, 32, 48, 64)
     splits = {name: [kern.mma.default_config(m, n, k).split for m in ms] for name, (k, n) in LAYERS.items()}
     # the H200 sweep's rule (docs/benchmarks.md): one column tile: the fewest K slices that give >= 384 CTAs
-    # (>= 3 groups each); two or three: one slice; four or eight: >= 768 CTAs, six: 384 with 128-row CTAs
-    # (>= 6 groups each)
-    assert splits == {"gate_up": [2, 2, 1, 1, 4, 4, 4], "down": [8, 8, 1, 1, 8, 8, 8], "qkv": [4, 4, 1, 1, 4, 4, 4],
-                      "o_proj": [8, 8, 1, 1, 4, 4, 4], "gdn_in": [4, 4, 1, 1, 4, 4, 4],
-                      "gdn_out": [8, 8, 1, 1, 4, 4, 4], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
-    # at six column tiles the wide layers take 128-row CTAs with three batch warps, the 5120-wide ones 64-row
-    # CTAs with two
+    # (>= 4 groups each); from two, one slice, except on the deep layer (down_proj: 4-8 slices) and the wide
+    # one at 25-48 rows (gate_up: four slices)
+    assert splits == {"gate_up": [2, 2, 1, 1, 4, 4, 1], "down": [8, 8, 8, 4, 8, 8, 8], "qkv": [4, 4, 1, 1, 1, 1, 1],
+                      "o_proj": [4, 4, 1, 1, 1, 1, 1], "gdn_in": [4, 4, 1, 1, 1, 1, 1],
+                      "gdn_out": [4, 4, 1, 1, 1, 1, 1], "lm_head": [1, 1, 1, 1, 2, 2, 1]}
+    # at six column tiles the wide layers take 128-row CTAs with two batch warps, down three batch warps, the
+    # others two; at eight every warp takes all eight column tiles but down's (two batch warps)
     assert [(c.rtiles, c.wm) for c in (kern.mma.default_config(48, n, k) for k, n in LAYERS.values())] == [
-        (2, 3), (1, 2), (2, 3), (1, 2), (2, 3), (1, 2), (2, 3)]
+        (2, 2), (1, 3), (1, 2), (1, 2), (1, 2), (1, 2), (2, 2)]
+    assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [1, 2, 1, 1, 1, 1, 1]
     for m in range(1, kern.mma.MAX_ROWS + 1):
         cfg = kern.mma.default_config(m, 5120, 5120)
         tiles = cfg.tiles(m)

@@ -77,35 +77,42 @@ SHARED_MAX = 48 * 1024  # static shared memory of one CTA (without opting in: sm
 RESIDUAL_MAX_M = 8
 
 
-# Per column tiles T (8 batch rows each): (row tiles per warp, stages, groups per stage, warps along the batch,
-# CTAs the K slices aim for, fewest groups of 128 in a slice). From the H200 sweep of the copy-plan kernel
-# (benchmarks/mma_gemm.py, 6 shapes × M = 2-64, docs/benchmarks.md): up to 24 rows two stages of four groups,
-# and from 9 rows one K slice (a second cost o_proj 3 µs at 16 rows, more than the parallelism it bought);
-# from 25 rows one-group stages and warps along the batch. T = 7 runs T = 8's instance (one padded column
-# tile: 1.1-1.2× faster than seven tiles on one warp on five of the six layers); T = 5 on one warp beat
-# T = 6's instance on four.
-_BY_TILES = {1: (1, 2, 4, 1, 384, 3), 2: (1, 2, 4, 1, 0, 6), 3: (1, 2, 4, 1, 0, 6), 4: (1, 4, 1, 2, 768, 6),
-             5: (1, 4, 1, 1, 768, 6), 6: (2, 4, 1, 3, 384, 6), 7: (1, 4, 1, 4, 768, 6), 8: (1, 4, 1, 4, 768, 6)}
+# Per column tiles T (8 batch rows each) and layer class: (warps along the output rows, row tiles per warp,
+# stages, groups per stage, warps along the batch, CTAs the K slices aim for, fewest groups of 128 in a slice).
+# From the H200 sweep of the lean-copy kernel (benchmarks/mma_gemm.py, 6 shapes × M = 2-64, docs/benchmarks.md):
+# up to 24 rows two stages of four groups on four warps, and from 9 rows one K slice except on the deep layer
+# (down_proj, 68 groups: 1.05-1.13x faster with 4-8 slices); from 25 rows one-group stages, warps along the batch
+# at 25-48 rows and none at 57-64 (each warp decodes its codes once for all eight column tiles: 1.1-1.3x faster
+# than four batch warps there). The wide layer (gate_up) takes eight warps at 25-32 rows and 128-row CTAs at
+# 41-48, with K slices. Per row count and class the rule is the sweep's fastest configuration (the classes'
+# other layers within 1 %).
+_OTHER = {1: (4, 1, 2, 4, 1, 384, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 3, 2, 2, 0, 2),
+          5: (4, 1, 4, 1, 2, 0, 2), 6: (4, 1, 4, 1, 2, 0, 2), 7: (4, 1, 4, 1, 1, 0, 2), 8: (4, 1, 4, 1, 1, 0, 2)}
+_WIDE = {**_OTHER, 4: (8, 1, 4, 1, 1, 1056, 6), 5: (4, 2, 4, 1, 2, 1056, 6), 6: (4, 2, 4, 1, 2, 1056, 6)}
+_DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 1056, 6), 3: (4, 1, 2, 4, 1, 1056, 12), 4: (4, 1, 4, 1, 2, 1056, 6),
+         5: (4, 1, 4, 1, 3, 1056, 6), 6: (4, 1, 4, 1, 3, 1056, 6), 7: (4, 1, 4, 1, 2, 1056, 6),
+         8: (4, 1, 4, 1, 2, 1056, 6)}
+WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
+DEEP_GROUPS = 64  # groups of 128 inputs from which a layer is "deep" (down_proj's 68 per rank)
 
 
 def default_config(m: int, n: int, k: int) -> MmaConfig | None:
     """The configuration for m rows through a layer of N outputs and K inputs; None where the kernel does
     not apply (K not an even number of groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
 
-    Four warps along the output rows; the rest per column tile count from `_BY_TILES`; K slices: the fewest
-    (a power of two, with at least the table's groups each) that give the CTAs aimed for. Per row count
-    the rule is on average within 1-5 % of each swept shape's best configuration (at most 23 %: down at
-    16 rows)."""
+    The layout from the table of the layer's class (`_OTHER`, `_WIDE` for N >= WIDE_N, `_DEEP` for K >=
+    DEEP_GROUPS groups) and column tiles; K slices: the fewest (a power of two, with at least the table's
+    groups each) that give the CTAs aimed for."""
     if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
-    tiles = -(-m // 8)
-    rtiles, stages, gps, wm, ctas, min_groups = _BY_TILES[tiles]
-    if rtiles == 2 and n < 48 * 128:  # under 48 rows of 128-row CTAs (o_proj, down, GDN out at 48 rows): 64-row
-        rtiles, wm = 1, 2             # CTAs with two batch warps (o_proj 20.7 µs against 23.8 in the sweep)
-    cfg = MmaConfig(warps=4, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps, wm=wm)
+    groups = k // GROUP
+    table = _DEEP if groups >= DEEP_GROUPS else _WIDE if n >= WIDE_N else _OTHER
+    warps, rtiles, stages, gps, wm, ctas, min_groups = table[-(-m // 8)]
+    cfg = MmaConfig(warps=warps, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps,
+                    wm=wm)
     if n % cfg.rows_per_cta():
         return None
-    tiles_n, groups = n // cfg.rows_per_cta(), k // GROUP
+    tiles_n = n // cfg.rows_per_cta()
     split = 1
     while tiles_n * split < ctas and groups // (split * 2) >= min_groups:
         split *= 2
