@@ -94,8 +94,9 @@ def test_template_names_the_instance(kern):
     assert kern.mma.template(9, kern.mma.MmaConfig(4, 1, 2, True, 2, 4), torch.bfloat16) == kern.mma.template(16, cfg, torch.bfloat16)
     assert (kern.mma.template(64, kern.mma.MmaConfig(8, 2, 1, False, 3, 1, wm=2), torch.float32)
             == "ternary_mma<8, 2, 8, 2, false, 0, 3, 1>")
-    # rows name the instance: 49-56 rows on four batch warps run the eight-tile one (a padded tile)
+    # rows name the instance: 49-56 rows run the eight-tile one (a padded tile), on any batch warps
     assert kern.mma.template(50, kern.mma.MmaConfig(4, 1, 4, False, 4, 1, wm=4), torch.bfloat16).startswith("ternary_mma<8,")
+    assert kern.mma.template(56, kern.mma.MmaConfig(4, 1, 1, False, 4, 1), torch.bfloat16).startswith("ternary_mma<8,")
 
 
 def test_shared_bytes_match_the_kernels_layout(kern):

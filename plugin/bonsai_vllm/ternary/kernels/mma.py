@@ -50,9 +50,12 @@ class MmaConfig:
                 f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else ""))
 
     def tiles(self, m: int) -> int:
-        """Column tiles of the instance that runs m rows: 8 rows each, rounded up to a multiple of wm. The
-        padding's columns are multiplied and never stored (batch rows past M are not even copied in)."""
-        return -(-m // (8 * self.wm)) * self.wm
+        """Column tiles of the instance that runs m rows: 8 rows each, rounded up to a multiple of wm, and seven
+        up to eight (the seven-tile instance ran 1.04-1.15x slower than the eight-tile one on the H200 at every
+        layer, docs/benchmarks.md). The padding's columns are multiplied and never stored (batch rows past M are
+        not even copied in)."""
+        t = -(-m // (8 * self.wm)) * self.wm
+        return 8 if t == 7 else t
 
     def rows_per_cta(self) -> int:
         return 16 * self.rtiles * self.warps
