@@ -69,10 +69,10 @@ def test_default_config_at_the_27bs_shapes(kern):
     assert splits == {"gate_up": [2, 2, 1, 1, 4, 4, 1], "down": [8, 8, 8, 4, 8, 8, 8], "qkv": [4, 4, 1, 1, 1, 1, 1],
                       "o_proj": [4, 4, 1, 1, 1, 1, 1], "gdn_in": [4, 4, 1, 1, 1, 1, 1],
                       "gdn_out": [4, 4, 1, 1, 1, 1, 1], "lm_head": [1, 1, 1, 1, 2, 2, 1]}
-    # at six column tiles the wide layers take 128-row CTAs with two batch warps, down three batch warps, the
+    # at six column tiles the wide layers take eight warps on all six column tiles, down three batch warps, the
     # others two; at eight every warp takes all eight column tiles but down's (two batch warps)
-    assert [(c.rtiles, c.wm) for c in (kern.mma.default_config(48, n, k) for k, n in LAYERS.values())] == [
-        (2, 2), (1, 3), (1, 2), (1, 2), (1, 2), (1, 2), (2, 2)]
+    assert [(c.warps, c.wm) for c in (kern.mma.default_config(48, n, k) for k, n in LAYERS.values())] == [
+        (8, 1), (4, 3), (4, 2), (4, 2), (4, 2), (4, 2), (8, 1)]
     assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [1, 2, 1, 1, 1, 1, 1]
     for m in range(1, kern.mma.MAX_ROWS + 1):
         cfg = kern.mma.default_config(m, 5120, 5120)

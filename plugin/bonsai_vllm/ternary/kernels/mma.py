@@ -86,12 +86,12 @@ RESIDUAL_MAX_M = 8
 # up to 24 rows two stages of four groups on four warps, and from 9 rows one K slice except on the deep layer
 # (down_proj, 68 groups: 1.05-1.13x faster with 4-8 slices); from 25 rows one-group stages, warps along the batch
 # at 25-48 rows and none at 57-64 (each warp decodes its codes once for all eight column tiles: 1.1-1.3x faster
-# than four batch warps there). The wide layer (gate_up) takes eight warps at 25-32 rows and 128-row CTAs at
-# 41-48, with K slices. Per row count and class the rule is the sweep's fastest configuration (the classes'
-# other layers within 1 %).
+# than four batch warps there). The wide layer (gate_up) takes eight warps with four K slices at 25-48 rows
+# (at 41-48 rows within 5 % of two 32-row warps on two batch warps, whose sm_120 build spills 8 bytes). Per row
+# count and class the rule is the sweep's fastest configuration (the classes' other layers within 1 %).
 _OTHER = {1: (4, 1, 2, 4, 1, 384, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 3, 2, 2, 0, 2),
           5: (4, 1, 4, 1, 2, 0, 2), 6: (4, 1, 4, 1, 2, 0, 2), 7: (4, 1, 4, 1, 1, 0, 2), 8: (4, 1, 4, 1, 1, 0, 2)}
-_WIDE = {**_OTHER, 4: (8, 1, 4, 1, 1, 1056, 6), 5: (4, 2, 4, 1, 2, 1056, 6), 6: (4, 2, 4, 1, 2, 1056, 6)}
+_WIDE = {**_OTHER, 4: (8, 1, 4, 1, 1, 1056, 6), 5: (8, 1, 4, 1, 1, 1056, 6), 6: (8, 1, 4, 1, 1, 1056, 6)}
 _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 1056, 6), 3: (4, 1, 2, 4, 1, 1056, 12), 4: (4, 1, 4, 1, 2, 1056, 6),
          5: (4, 1, 4, 1, 3, 1056, 6), 6: (4, 1, 4, 1, 3, 1056, 6), 7: (4, 1, 4, 1, 2, 1056, 6),
          8: (4, 1, 4, 1, 2, 1056, 6)}
