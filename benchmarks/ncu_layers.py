@@ -43,8 +43,11 @@ def main(argv: list[str] | None = None) -> int:
             run = lambda: dp4a.gemv(act, packed, scales, cfg, ws)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=True)
         else:
-            cfg = MmaConfig(*(int(v) for v in config[0].split(","))) if config else mma.default_config(m, n, k)
-            cfg = MmaConfig(cfg.warps, cfg.rtiles, cfg.split, bool(cfg.residual), cfg.stages, cfg.gps, cfg.wm)
+            if config:  # the residual field comes as 0 / 1
+                warps, rtiles, split, residual, *rest = (int(v) for v in config[0].split(","))
+                cfg = MmaConfig(warps, rtiles, split, bool(residual), *rest)
+            else:
+                cfg = mma.default_config(m, n, k)
             run = lambda: mma.gemm(act, packed, scales, cfg, ws)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=cfg.residual)
         err = bk.rel(run(), exact)

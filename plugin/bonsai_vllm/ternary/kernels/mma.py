@@ -84,7 +84,7 @@ RESIDUAL_MAX_M = 8
 # stages, groups per stage, warps along the batch, CTAs the K slices aim for, fewest groups of 128 in a slice).
 # From the H200 sweep of the lean-copy kernel (benchmarks/mma_gemm.py, 6 shapes × M = 2-64, docs/benchmarks.md):
 # up to 24 rows two stages of four groups on four warps, and from 9 rows one K slice except on the deep layer
-# (down_proj, 68 groups: 1.05-1.13x faster with 4-8 slices); from 25 rows one-group stages, warps along the batch
+# (down_proj, 68 groups: 1.05-1.26x faster with 4-8 slices); from 25 rows one-group stages, warps along the batch
 # at 25-48 rows and none at 57-64 (each warp decodes its codes once for all eight column tiles: 1.1-1.3x faster
 # than four batch warps there). The wide layer (gate_up) takes eight warps with four K slices at 25-48 rows
 # (at 41-48 rows within 5 % of two 32-row warps on two batch warps, whose sm_120 build spills 8 bytes). Per row
