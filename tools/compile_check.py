@@ -242,10 +242,10 @@ def dump_cubin(cubin: bytes, *flags: str) -> str:
 
 
 def compile_cuda(capability: int) -> list[Compiled]:
-    """The CUDA C kernels (ternary/kernels/mma.cu), which NVRTC compiles at load: every instance the dispatch
+    """The CUDA C kernels (ternary/kernels/mma.cu, stream_gemv.cu), which NVRTC compiles at load: every instance the dispatch
     launches at the six layers' shapes (the rows of the mma route, y in bf16 and in float32 for a bias), as a
     cubin for `capability`; registers, stack (spills) and static shared memory read by Triton's cuobjdump."""
-    from bonsai_vllm.ternary.kernels import linear, mma
+    from bonsai_vllm.ternary.kernels import linear, mma, stream_gemv
 
     instances = {}  # template name -> config (the K split is a launch argument, not part of the instance)
     for k, n in LAYERS.values():
@@ -259,6 +259,20 @@ def compile_cuda(capability: int) -> list[Compiled]:
         m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
         out.append(Compiled("ternary_mma", capability, config.warps * config.wm, config.stages,
                             int(m.group("shared")), int(m.group("regs")),
+                            int(m.group("stack")) + int(m.group("local")), name))
+    # the one-row streaming GEMV (its shared memory is dynamic: the warp sums of the largest row range, which
+    # the RTX 5070's 48 SMs give)
+    streams = {}
+    for k, n in LAYERS.values():
+        config = stream_gemv.default_config(n, k)
+        for dt in (torch.bfloat16, torch.float32):
+            streams[stream_gemv.template(config, k, dt)] = (config, k, n)
+    for name, (config, k, n) in sorted(streams.items()):
+        cubin, _ = stream_gemv.compile_instance(name, str(capability))
+        m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
+        _, cap = stream_gemv.grid(config, n, k, sms=48)
+        out.append(Compiled("ternary_stream_gemv", capability, config.warps(k), 1,
+                            int(m.group("shared")) + 4 * config.warps(k) * cap, int(m.group("regs")),
                             int(m.group("stack")) + int(m.group("local")), name))
     return out
 

@@ -199,13 +199,13 @@ class Checker:
                 ys = [linear.ternary_linear(slices[r], tws[r]) for r in range(ranks)]
             y = ys[0].float() + ys[1].float()
         rt = linear.route(m, tws[0])
-        bound = (3e-3 if rt.path == "dp4a" or (rt.path == "gemv" and rt.config.variant == "fma")
+        bound = (3e-3 if rt.path in ("dp4a", "stream") or (rt.path == "gemv" and rt.config.variant == "fma")
                  or (rt.path == "mma" and rt.config.residual)
                  else (5e-3 if rt.path == "gemv" else 1e-2 if rt.path == "mma" else 2e-2))
         cut = ", cut block" if plans[0].cut else ""
         label = f"{name} {width}->{n}" + (f" (2 ranks{cut}, summed)" if ranks == 2 else "")
         label += f", W8 {'kept' if tws[0].w_int8 is not None else 'not kept'}" + (
-            f", {rt.path}" if rt.path in ("dp4a", "mma") else "")
+            f", {rt.path}" if rt.path in ("dp4a", "mma", "stream") else "")
         self.add("linear", f"{label} M={m}", str(rt), rel_err(y, y_ref), self.bf16_bound(bound))
 
     # ------------------------------------------------------------------------------------- K3V2

@@ -158,6 +158,11 @@ SETTINGS: tuple[Setting, ...] = (
             "four weights per instruction; on the H200 1.09-1.76x the fma GEMV) instead of the fma GEMV. 0: the "
             "fma GEMV. make gpu-check passed it at every real shape on the H200 (docs/benchmarks.md, issue 19).",
             "ternary/kernels/linear.py"),
+    Setting("BONSAI_STREAM_GEMV", "bool", False,
+            "Decode steps of one row on CUDA through the CUDA C GEMV that streams the codes past activations held "
+            "in registers (ternary/kernels/stream_gemv.cu, compiled by NVRTC at load) instead of the dp4a GEMV. "
+            "Off until make gpu-check has passed it at every real shape (issue 19).",
+            "ternary/kernels/linear.py"),
     Setting("BONSAI_MMA_GEMM", "bool", True,
             "Decode batches of 2 to 64 rows (one user with MTP; several users; MTP verify rows) on CUDA "
             "through the int8 tensor-core kernel that decodes the codes in registers behind a cp.async "

@@ -7,6 +7,8 @@
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
   `ternary.reference` (the judge), so CPU serving keeps working;
+- one row, CUDA, BONSAI_STREAM_GEMV on (off by default until gpu-checked): the same prep as dp4a, then the CUDA C
+  GEMV streaming the codes past activations held in registers (stream_gemv.cu; issue 19): two launches;
 - M <= `DP4A_MAX_M` (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a
   (int8 bytes of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the
   dp4a GEMV (dp4a.py), which stores y in x's dtype: two launches;
@@ -36,6 +38,7 @@ if TYPE_CHECKING:  # the kernel modules are imported lazily (they define @triton
     from bonsai_vllm.ternary.kernels.gemv import GemvConfig
     from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig
     from bonsai_vllm.ternary.kernels.mma import MmaConfig
+    from bonsai_vllm.ternary.kernels.stream_gemv import StreamConfig
 
 GROUP_SIZE = 128
 BLOCK = 1024
@@ -75,6 +78,8 @@ class TernaryWeights:
     # the mma kernel's config for 1, 2, ... rows (MMA_MAX_M of them; the route takes it from DP4A_MAX_M + 1
     # rows): prepared on CUDA when BONSAI_MMA_GEMM is on and the shape allows; None: never
     mma: tuple[MmaConfig, ...] | None = None
+    # the streaming GEMV's config for one row (prepare's switch; CUDA only): one row takes it; None: never
+    stream: StreamConfig | None = None
 
     @property
     def out_features(self) -> int:
@@ -91,7 +96,7 @@ class TernaryWeights:
 
 def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None = None, *,
             block: int = BLOCK, expand_int8: bool = False, dp4a: bool | None = None,
-            mma: bool | None = None) -> TernaryWeights:
+            mma: bool | None = None, stream: bool | None = None) -> TernaryWeights:
     """Build the layer state once at load time (same device as `packed`).
 
     `expand_int8=True` keeps W8 = code · q (1 byte per weight) for the prefill matmul; leave it False where
@@ -99,6 +104,7 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     `dp4a`: one-token rows through the dp4a GEMV where Triton runs and the shape allows (None: the
     BONSAI_DP4A_GEMV switch); its shared workspace is reserved here, not during a call. `mma`: 2 to MMA_MAX_M
     rows through the int8 tensor-core kernel on CUDA (None: BONSAI_MMA_GEMM); its instances are compiled here.
+    `stream`: one row through the streaming CUDA C GEMV (None: BONSAI_STREAM_GEMV); compiled here.
     """
     n, kw = packed.shape
     k = kw * 16
@@ -140,6 +146,16 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
             for rows in range(DP4A_MAX_M + 1, MMA_MAX_M + 1):  # compiled and loaded now, not inside a capture
                 mma_kernels.reserve(packed.device, n, k, configs[rows - 1], rows)
                 mma_kernels.kernel(rows, configs[rows - 1], torch.bfloat16, packed.device)
+    if stream is None:
+        from bonsai_vllm import settings
+
+        stream = settings.get("BONSAI_STREAM_GEMV")
+    if stream and packed.is_cuda:
+        from bonsai_vllm.ternary.kernels import stream_gemv
+
+        tw.stream = stream_gemv.default_config(n, k)
+        if tw.stream is not None:  # compiled and loaded now, not inside a capture
+            stream_gemv.kernel(tw.stream, k, torch.bfloat16, packed.device)
     return tw
 
 
@@ -166,7 +182,8 @@ def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.T
 
 @dataclass(frozen=True)
 class Route:
-    """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "dp4a" (config: the
+    """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "stream" (one row; config:
+    the layer's stream_gemv.StreamConfig), "dp4a" (config: the
     dp4a.Dp4aConfig the layer was prepared with for that many rows), "mma" (config: the layer's
     mma.MmaConfig for that many rows), "gemv" (config: the
     gemv.GemvConfig of gemv.default_config) or "int8" (config: the int8mm.Int8GemmConfig of
@@ -174,11 +191,11 @@ class Route:
     case."""
 
     path: str
-    config: GemvConfig | Int8GemmConfig | Dp4aConfig | MmaConfig | None = None
+    config: GemvConfig | Int8GemmConfig | Dp4aConfig | MmaConfig | StreamConfig | None = None
     w8: str = ""
 
     def __str__(self) -> str:
-        if self.path in ("gemv", "dp4a", "mma"):
+        if self.path in ("gemv", "dp4a", "mma", "stream"):
             return f"{self.path} {self.config}"
         if self.path == "int8":
             return f"int8 {self.config}, W8 {self.w8}"
@@ -189,6 +206,8 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
     """The path for m rows (the dispatch rule of the module docstring)."""
     if not triton_ok:
         return Route("reference")
+    if tw.stream is not None and m == 1:
+        return Route("stream", tw.stream)
     if tw.dp4a is not None and m <= len(tw.dp4a):
         return Route("dp4a", tw.dp4a[m - 1])
     # 2 to MMA_MAX_M rows (one row stays on the GEMV even with dp4a off); with W8 kept its int8 GEMM stays
@@ -223,7 +242,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
     r = route(m, tw, usable(x))
     if r.path == "reference":
         return _reference(x, tw, rotated, bias)
-    if r.path in ("dp4a", "mma"):
+    if r.path in ("dp4a", "mma", "stream"):
         from bonsai_vllm.ternary.kernels import dp4a
         from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a
 
@@ -231,7 +250,11 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         # x's dtype itself unless a bias is added after it in float32
         act = dp4a.prepare(x2) if rotated else rotate_dp4a(x2, tw.signs, tw.block)
         y = torch.empty(m, tw.out_features, dtype=x.dtype if bias is None else torch.float32, device=x.device)
-        if r.path == "dp4a":
+        if r.path == "stream":
+            from bonsai_vllm.ternary.kernels import stream_gemv
+
+            stream_gemv.gemv(act, tw.packed, tw.scales, r.config, out=y)  # [1, N]
+        elif r.path == "dp4a":
             dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
         else:
             from bonsai_vllm.ternary.kernels import mma
