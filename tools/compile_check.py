@@ -264,15 +264,16 @@ def compile_cuda(capability: int) -> list[Compiled]:
     # the RTX 5070's 48 SMs give)
     streams = {}
     for k, n in LAYERS.values():
-        config = stream_gemv.default_config(n, k)
-        for dt in (torch.bfloat16, torch.float32):
-            streams[stream_gemv.template(config, k, dt)] = (config, k, n)
-    for name, (config, k, n) in sorted(streams.items()):
+        for rows in range(1, linear.STREAM_MAX_M + 1):
+            config = stream_gemv.default_config(n, k, rows)
+            for dt in (torch.bfloat16, torch.float32):
+                streams[stream_gemv.template(config, rows, k, dt)] = (config, rows, k, n)
+    for name, (config, rows, k, n) in sorted(streams.items()):
         cubin, _ = stream_gemv.compile_instance(name, str(capability))
         m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
-        _, cap = stream_gemv.grid(config, n, k, sms=48)
+        _, cap = stream_gemv.grid(config, n, k, 48, rows)
         out.append(Compiled("ternary_stream_gemv", capability, config.warps(k), 1,
-                            int(m.group("shared")) + 4 * config.warps(k) * cap, int(m.group("regs")),
+                            int(m.group("shared")) + 4 * config.warps(k) * rows * cap, int(m.group("regs")),
                             int(m.group("stack")) + int(m.group("local")), name))
     return out
 

@@ -6,6 +6,8 @@ The serving image has no nvcc and no CUDA toolkit (CUDA_HOME unset), so a CUDA C
     cubin, symbol = compile_cuda(source, "my_kernel<4, true>", arch="120")   # host only: any machine
     kernel = load(cubin, symbol, device)                                     # a GPU
     kernel(grid=(g, 1, 1), block=(128, 1, 1), args=[tensor, ..., 7])         # on the current stream
+    launch(kernel, (g, 1, 1), (128, 1, 1), [tensor, ..., 7], early=True)     # may start before the kernel
+                                                                             # ahead of it ends (sm_90+)
 
 `compile_cuda` needs no GPU (make compile-check compiles for sm_90 and sm_120 on CPU machines).
 `torch.cuda._compile_kernel` does the same but insists on CUDA_HOME's headers, which the image lacks; the
@@ -72,3 +74,48 @@ def load(cubin: bytes, symbol: str, device: torch.device | int):
 
     with torch.cuda.device(device):
         return _cuda_load_module(cubin, [symbol])[symbol]
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def launch(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, shared_mem: int = 0,
+           early: bool = False) -> None:
+    """Launch a `load`ed kernel on the current stream. `early`: as a programmatic dependent of the kernel ahead
+    of it on the stream (cuLaunchKernelEx with programmatic stream serialization, sm_90 and later; captured
+    into CUDA graphs as a programmatic edge): it may start once that kernel has called
+    `griddepcontrol.launch_dependents` (triton_runtime.launch_dependents) and must `griddepcontrol.wait` before
+    it reads anything that kernel writes. Without `early`, the kernel's own ordinary launch."""
+    if not early:
+        kernel(grid=grid, block=block, args=args, shared_mem=shared_mem)
+        return
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    keep, params = [], []  # the argument values (kept alive until the call returns) and pointers to them
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            keep.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, int):
+            keep.append(ctypes.c_int(a))
+        else:
+            raise TypeError(f"nvrtc.launch: argument of type {type(a).__name__}; tensors and ints only")
+        params.append(ctypes.cast(ctypes.byref(keep[-1]), ctypes.c_void_p))
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    config = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                           ctypes.pointer(attr), 1)
+    libcuda = _get_gpu_runtime_library()
+    code = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, (ctypes.c_void_p * len(params))(*params), None)
+    if code:
+        raise NvrtcError(f"cuLaunchKernelEx failed with CUresult {code}")

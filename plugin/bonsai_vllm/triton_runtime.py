@@ -41,3 +41,22 @@ def require() -> None:
     if triton is None:
         raise RuntimeError("bonsai_vllm kernels: Triton is not installed; use the PyTorch reference path "
                            "(bonsai_vllm.ternary.reference, bonsai_vllm.kv.reference) or install triton")
+
+
+def early_launch(t: torch.Tensor) -> bool:
+    """Whether a kernel on `t` may let the next kernel start before it ends (PTX `griddepcontrol`, sm_90 and
+    later; not under the interpreter): the `EARLY_LAUNCH` constexpr of the kernels that call
+    `launch_dependents`."""
+    return t.is_cuda and not interpreting() and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+if triton is not None:
+
+    @triton.jit
+    def launch_dependents(ON: tl.constexpr):
+        """Let the kernel queued after this one start now, if it was launched as a programmatic dependent
+        (nvrtc.launch(..., early=True)): it may read what does not depend on this kernel (its weights) until its
+        `griddepcontrol.wait`, which waits for this kernel's end and its memory. No effect on ordinary launches."""
+        if ON:
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                      is_pure=False, pack=1)

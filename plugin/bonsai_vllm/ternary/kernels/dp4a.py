@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bonsai_vllm.triton_runtime import interpreting, require, tl, triton
+from bonsai_vllm.triton_runtime import early_launch, interpreting, require, tl, triton
 
 GROUP = 128  # scale group along K (the checkpoint's)
 INV127 = 1.0 / 127  # int8 scale = max |x| · INV127, in float32 on both sides
@@ -151,6 +151,7 @@ def _gemv_row_reference(xa, xr, gx, gr, sg, packed: torch.Tensor, scales: torch.
 
 
 if triton is not None:
+    from bonsai_vllm.triton_runtime import launch_dependents
 
     @triton.jit
     def _dp4a(a, b, c, USE_ASM: tl.constexpr):
@@ -204,9 +205,10 @@ if triton is not None:
 
     @triton.jit
     def _prepare_kernel(x_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, K, stride_x, GB: tl.constexpr,
-                        INV127: tl.constexpr):
+                        INV127: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
         # grid: (cdiv(K / 128, GB), M). Program (p, m) prepares groups [p·GB, (p+1)·GB) of row m: x as [GB, 128],
-        # one scale pair each.
+        # one scale pair each. The GEMV after it (a programmatic dependent) may start streaming its codes now.
+        launch_dependents(EARLY_LAUNCH)
         m = tl.program_id(1)
         rg = tl.program_id(0) * GB + tl.arange(0, GB)
         ri = tl.arange(0, 128)
@@ -355,7 +357,7 @@ def prepare(x: torch.Tensor, out: Dp4aActivations | None = None) -> Dp4aActivati
         out = empty_activations(k, x.device, m)
     gb = 8  # groups per program: 1024 inputs
     _prepare_kernel[(triton.cdiv(k // GROUP, gb), m)](x2, out.xa, out.xr, out.gx, out.gr, out.s, k, x2.stride(0),
-                                                      GB=gb, INV127=INV127, num_warps=4,
+                                                      GB=gb, INV127=INV127, EARLY_LAUNCH=early_launch(x2), num_warps=4,
                                                       # x − x8·s1 rounded twice, as torch does: no FMA
                                                       enable_fp_fusion=False)
     return out

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from bonsai_vllm.triton_runtime import dot_dtype, require, tl, triton
+from bonsai_vllm.triton_runtime import dot_dtype, early_launch, require, tl, triton
 
 # Block size -> (B1, B2): the two Sylvester factors (high index bits, low index bits).
 _FACTORS = {256: (16, 16), 512: (16, 32), 1024: (32, 32)}
@@ -35,6 +35,7 @@ _TILES = {**_FACTORS, 128: (8, 16)}
 
 if triton is not None:
     from bonsai_vllm.ternary.kernels.dp4a import _prepare_groups, _row_ptrs  # the dp4a prep of a block's groups
+    from bonsai_vllm.triton_runtime import launch_dependents
 
     @triton.jit
     def _sylvester(N: tl.constexpr, DT: tl.constexpr):
@@ -119,8 +120,10 @@ if triton is not None:
     @triton.jit
     def _rotate_dp4a_kernel(x_ptr, s_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, sc_ptr, K, stride_x, norm,
                             B1: tl.constexpr, B2: tl.constexpr, SPLIT_X: tl.constexpr, DT: tl.constexpr,
-                            INV127: tl.constexpr):
+                            INV127: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
         # grid: (K / (B1·B2), M). Program (t, m) rotates block t of row m and prepares its groups of 128.
+        # The GEMV after it (stream_gemv, launched as a programmatic dependent) may start streaming its codes now.
+        launch_dependents(EARLY_LAUNCH)
         TILE: tl.constexpr = B1 * B2
         t = tl.program_id(0)
         m = tl.program_id(1)
@@ -216,7 +219,8 @@ def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=
     act = dp4a.empty_activations(k, x.device, m) if out is None else out
     _rotate_dp4a_kernel[(k // block, m)](x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, k, x2.stride(0),
                                          1.0 / math.sqrt(block), B1=b1, B2=b2, SPLIT_X=x.dtype != torch.bfloat16,
-                                         DT=dot_dtype(), INV127=dp4a.INV127, num_warps=4, enable_fp_fusion=False)
+                                         DT=dot_dtype(), INV127=dp4a.INV127, EARLY_LAUNCH=early_launch(x2),
+                                         num_warps=4, enable_fp_fusion=False)
     return act
 
 

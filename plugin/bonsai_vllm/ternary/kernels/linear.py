@@ -7,8 +7,9 @@
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
   `ternary.reference` (the judge), so CPU serving keeps working;
-- one row, CUDA, BONSAI_STREAM_GEMV on (off by default until gpu-checked): the same prep as dp4a, then the CUDA C
-  GEMV streaming the codes past activations held in registers (stream_gemv.cu; issue 19): two launches;
+- M <= `STREAM_MAX_M`, CUDA, BONSAI_STREAM_GEMV on (off by default until gpu-checked): the same prep as dp4a,
+  then the CUDA C GEMV streaming the codes past activations held in registers (stream_gemv.cu; issue 19),
+  launched to start while the prep runs: two launches;
 - M <= `DP4A_MAX_M` (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a
   (int8 bytes of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the
   dp4a GEMV (dp4a.py), which stores y in x's dtype: two launches;
@@ -56,6 +57,9 @@ GEMV_MAX_M_NO_W8 = 64
 # one row; from two rows (one user's step with MTP on) the tensor-core kernel is faster (H200,
 # benchmarks/mma_gemm.py, docs/benchmarks.md).
 DP4A_MAX_M = 1
+# Batch rows up to which the streaming GEMV (stream_gemv.py) runs when the layer was prepared for it: one user's
+# step, with or without MTP.
+STREAM_MAX_M = 2
 # Batch rows up to which the int8 tensor-core kernel (mma.py) runs on CUDA: on the H200 it beat the routes it
 # replaced at 2-64 rows on every shape (dp4a at 2, `gemv dot` above 16: 1.1-2.4x; docs/benchmarks.md).
 MMA_MAX_M = 64
@@ -78,8 +82,9 @@ class TernaryWeights:
     # the mma kernel's config for 1, 2, ... rows (MMA_MAX_M of them; the route takes it from DP4A_MAX_M + 1
     # rows): prepared on CUDA when BONSAI_MMA_GEMM is on and the shape allows; None: never
     mma: tuple[MmaConfig, ...] | None = None
-    # the streaming GEMV's config for one row (prepare's switch; CUDA only): one row takes it; None: never
-    stream: StreamConfig | None = None
+    # the streaming GEMV's config for 1, 2, ... rows (prepare's switch; CUDA only; STREAM_MAX_M of them): M <=
+    # len(stream) rows take it; None: never
+    stream: tuple[StreamConfig, ...] | None = None
 
     @property
     def out_features(self) -> int:
@@ -104,7 +109,7 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     `dp4a`: one-token rows through the dp4a GEMV where Triton runs and the shape allows (None: the
     BONSAI_DP4A_GEMV switch); its shared workspace is reserved here, not during a call. `mma`: 2 to MMA_MAX_M
     rows through the int8 tensor-core kernel on CUDA (None: BONSAI_MMA_GEMM); its instances are compiled here.
-    `stream`: one row through the streaming CUDA C GEMV (None: BONSAI_STREAM_GEMV); compiled here.
+    `stream`: 1 to STREAM_MAX_M rows through the streaming CUDA C GEMV (None: BONSAI_STREAM_GEMV); compiled here.
     """
     n, kw = packed.shape
     k = kw * 16
@@ -153,9 +158,11 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     if stream and packed.is_cuda:
         from bonsai_vllm.ternary.kernels import stream_gemv
 
-        tw.stream = stream_gemv.default_config(n, k)
-        if tw.stream is not None:  # compiled and loaded now, not inside a capture
-            stream_gemv.kernel(tw.stream, k, torch.bfloat16, packed.device)
+        configs = tuple(stream_gemv.default_config(n, k, rows) for rows in range(1, STREAM_MAX_M + 1))
+        if None not in configs:
+            tw.stream = configs
+            for rows, config in enumerate(configs, 1):  # compiled and loaded now, not inside a capture
+                stream_gemv.kernel(config, rows, k, torch.bfloat16, packed.device)
     return tw
 
 
@@ -182,8 +189,8 @@ def _reference(x: torch.Tensor, tw: TernaryWeights, rotated: bool, bias: torch.T
 
 @dataclass(frozen=True)
 class Route:
-    """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "stream" (one row; config:
-    the layer's stream_gemv.StreamConfig), "dp4a" (config: the
+    """What `ternary_linear` runs for a batch: "reference" (no Triton for this tensor), "stream" (config: the
+    layer's stream_gemv.StreamConfig for that many rows), "dp4a" (config: the
     dp4a.Dp4aConfig the layer was prepared with for that many rows), "mma" (config: the layer's
     mma.MmaConfig for that many rows), "gemv" (config: the
     gemv.GemvConfig of gemv.default_config) or "int8" (config: the int8mm.Int8GemmConfig of
@@ -206,8 +213,8 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
     """The path for m rows (the dispatch rule of the module docstring)."""
     if not triton_ok:
         return Route("reference")
-    if tw.stream is not None and m == 1:
-        return Route("stream", tw.stream)
+    if tw.stream is not None and m <= len(tw.stream):
+        return Route("stream", tw.stream[m - 1])
     if tw.dp4a is not None and m <= len(tw.dp4a):
         return Route("dp4a", tw.dp4a[m - 1])
     # 2 to MMA_MAX_M rows (one row stays on the GEMV even with dp4a off); with W8 kept its int8 GEMM stays
@@ -253,7 +260,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         if r.path == "stream":
             from bonsai_vllm.ternary.kernels import stream_gemv
 
-            stream_gemv.gemv(act, tw.packed, tw.scales, r.config, out=y)  # [1, N]
+            stream_gemv.gemv(act, tw.packed, tw.scales, r.config, out=y)  # [M, N]
         elif r.path == "dp4a":
             dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
         else:

@@ -1,5 +1,5 @@
-"""The ternary layer for one batch row in CUDA C, codes streamed past activations held in registers (issue 19):
-`stream_gemv.cu`.
+"""The ternary layer for one or two batch rows in CUDA C, codes streamed past activations held in registers
+(issue 19): `stream_gemv.cu`. Two rows are one user's decode step with MTP on (the token and its draft).
 
 Why another one-row kernel: the Triton dp4a GEMV (dp4a.py) issues about as few instructions per weight but runs
 two warps per program at 128 registers, with K slices whose partials meet in a second pass; on the H200 it moved
@@ -27,7 +27,11 @@ from bonsai_vllm.ternary.kernels.dp4a import GROUP, Dp4aActivations
 
 SOURCE = Path(__file__).with_name("stream_gemv.cu")
 _OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_ROWS = 2  # batch rows one launch takes (the kernel's template takes up to 4; 2 is what is measured)
 SHARED_MAX = 48 * 1024  # dynamic shared memory without opting in (sm_90 and sm_120 alike)
+# Launch as a programmatic dependent of the prep kernel by default (benchmarks/stream_gemv.py measures it
+# against an ordinary launch).
+EARLY_LAUNCH = True
 
 
 @dataclass(frozen=True)
@@ -46,18 +50,27 @@ class StreamConfig:
         return -(-(k // 16) // (32 * self.words))
 
 
-def default_config(n: int, k: int) -> StreamConfig | None:
-    """The configuration for one row through a layer of N outputs and K inputs; None where the kernel does not
-    apply (K not whole groups of 128, or more than 32 warps' worth of words)."""
-    if k % GROUP or n < 1:
+def default_config(n: int, k: int, m: int = 1) -> StreamConfig | None:
+    """The configuration for m batch rows through a layer of N outputs and K inputs; None where the kernel does
+    not apply (K not whole groups of 128, more than 32 warps' worth of words, m outside 1..MAX_ROWS).
+
+    From the H200 sweep of benchmarks/stream_gemv.py (docs/benchmarks.md): two words and eight output rows per
+    thread everywhere but the deep layer (down_proj, 8704 inputs: nine-warp CTAs, four rows a tile), prefetch
+    on, four CTAs per SM, six on the narrow layers (3072 inputs: o_proj, GDN-out)."""
+    if k % GROUP or n < 1 or not 1 <= m <= MAX_ROWS:
         return None
-    config = StreamConfig(words=2, rows=8, prefetch=True, ctas_per_sm=4)
+    if k > 6144:
+        config = StreamConfig(words=2, rows=4, prefetch=False, ctas_per_sm=4)
+    elif k <= 4096:
+        config = StreamConfig(words=2, rows=8, prefetch=True, ctas_per_sm=6)
+    else:
+        config = StreamConfig(words=2, rows=8, prefetch=True, ctas_per_sm=4)
     return config if config.warps(k) <= 32 else None
 
 
-def template(config: StreamConfig, k: int, out_dtype: torch.dtype) -> str:
-    """The C++ name (NVRTC name expression) of the instance for K inputs and y of `out_dtype`."""
-    return (f"ternary_stream_gemv<{config.words}, {config.rows}, {k // 16}, "
+def template(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype) -> str:
+    """The C++ name (NVRTC name expression) of the instance for m batch rows, K inputs and y of `out_dtype`."""
+    return (f"ternary_stream_gemv<{m}, {config.words}, {config.rows}, {k // 16}, "
             f"{str(config.prefetch).lower()}, {_OUT[out_dtype]}>")
 
 
@@ -72,11 +85,16 @@ def _load(name: str, capability: str, device_index: int):
     return nvrtc.load(*compile_instance(name, capability), device_index)
 
 
-def kernel(config: StreamConfig, k: int, out_dtype: torch.dtype, device: torch.device):
-    """The loaded instance on `device`'s GPU (compiled once per process)."""
+def kernel(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype, device: torch.device):
+    """The loaded instance for m batch rows on `device`'s GPU (compiled once per process)."""
     index = torch.device(device).index or 0
-    major, minor = torch.cuda.get_device_capability(index)
-    return _load(template(config, k, out_dtype), f"{major}{minor}", index)
+    major, minor = _capability(index)
+    return _load(template(config, m, k, out_dtype), f"{major}{minor}", index)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache
@@ -84,33 +102,39 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def grid(config: StreamConfig, n: int, k: int, sms: int) -> tuple[int, int]:
+def grid(config: StreamConfig, n: int, k: int, sms: int, m: int = 1) -> tuple[int, int]:
     """(CTAs, row capacity of a CTA's shared memory): one wave of ctas_per_sm per SM, at most one per row, and
-    more if a CTA's warp sums would not fit SHARED_MAX."""
+    more if a CTA's warp sums (4 · warps · m · capacity bytes) would not fit below SHARED_MAX."""
     ctas = min(n, sms * config.ctas_per_sm)
     warps = config.warps(k)
-    while warps * -(-n // ctas) * 4 >= SHARED_MAX:
+    while warps * m * -(-n // ctas) * 4 >= SHARED_MAX:
         ctas *= 2
     return ctas, -(-n // ctas)
 
 
 def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: StreamConfig,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [1, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales fp16
-    [N, K/128]) applied to the one row of `act`; `out` may be any contiguous [1, N] or [N] tensor."""
+         out: torch.Tensor | None = None, early: bool | None = None) -> torch.Tensor:
+    """y [M, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales fp16
+    [N, K/128]) applied to the M rows of `act` (1 <= M <= MAX_ROWS); `out` may be any contiguous tensor of M·N
+    elements. `early`: launched as a programmatic dependent of the kernel ahead of it (see nvrtc.launch; sm_90
+    and later; None: EARLY_LAUNCH)."""
     n, kw = packed.shape
-    if act.rows != 1:
-        raise ValueError(f"stream_gemv.gemv: {act.rows} rows; the kernel takes one")
+    m = act.rows
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"stream_gemv.gemv: {m} rows; the kernel takes 1 to {MAX_ROWS}")
     if kw % (GROUP // 16) or config.warps(kw * 16) > 32:
         raise ValueError(f"stream_gemv.gemv: K = {kw * 16} does not fit {config} (whole groups of {GROUP}, at "
                          "most 32 warps)")
-    y = torch.empty(1, n, dtype=torch.float32, device=packed.device) if out is None else out
-    if y.numel() != n or not y.is_contiguous():
-        raise ValueError(f"stream_gemv.gemv: out needs {n} contiguous elements, got {list(y.shape)}")
+    y = torch.empty(m, n, dtype=torch.float32, device=packed.device) if out is None else out
+    if y.numel() != m * n or not y.is_contiguous():
+        raise ValueError(f"stream_gemv.gemv: out needs {m} x {n} contiguous elements, got {list(y.shape)}")
     index = packed.device.index or 0
-    ctas, cap = grid(config, n, kw * 16, _sms(index))
+    ctas, cap = grid(config, n, kw * 16, _sms(index), m)
     warps = config.warps(kw * 16)
-    fn = kernel(config, kw * 16, y.dtype, packed.device)
-    fn(grid=(ctas, 1, 1), block=(32 * warps, 1, 1), shared_mem=4 * warps * cap,
-       args=[packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, n, cap])
-    return y.view(1, n)
+    fn = kernel(config, m, kw * 16, y.dtype, packed.device)
+    early = (EARLY_LAUNCH if early is None else early) and _capability(index)[0] >= 9
+    # early: the kernel may start while the activation prep ahead of it runs (it streams its first codes, then
+    # waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
+    nvrtc.launch(fn, (ctas, 1, 1), (32 * warps, 1, 1),
+                 [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, n, cap], 4 * warps * m * cap, early=early)
+    return y.view(m, n)
