@@ -6,9 +6,9 @@
 Timing belongs to the benchmarks (CUDA-graph replays over copies that miss L2); this driver only launches
 each case's kernels `calls` times, eagerly, on one weight copy and fresh activations, after one checked call
 (the output against mma.gemm_reference or the dp4a reference), so a profile is never of a wrong kernel. One
-row goes through dp4a (the served one-row route), 2-64 rows through mma.gemm with the default configuration
-or the case's own (`layer:rows:config`, MmaConfig's fields in order: warps, rtiles, split, residual, stages,
-gps, wm)."""
+row goes through dp4a, 2-64 rows through mma.gemm with the default configuration or the case's own
+(`layer:rows:config`, MmaConfig's fields in order: warps, rtiles, split, residual, stages, gps, wm);
+`layer:rows:stream[:words,rows,prefetch,ctas_per_sm]` runs the streaming GEMV (1-2 rows)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ import argparse
 import torch
 
 from benchmarks import kernels as bk
-from bonsai_vllm.ternary.kernels import dp4a, mma
+from bonsai_vllm.ternary.kernels import dp4a, mma, stream_gemv
 from bonsai_vllm.ternary.kernels.mma import MmaConfig
+from bonsai_vllm.ternary.kernels.stream_gemv import StreamConfig
 
 SHAPES = {name: (k, n) for name, k, n in bk.SHAPES}
 
@@ -38,7 +39,15 @@ def main(argv: list[str] | None = None) -> int:
         x = bk.randn(m, k, device=dev, seed=11 + m)
         act = dp4a.prepare(x)
         ws = dp4a.Dp4aWorkspace(dev)
-        if m == 1:
+        if config and config[0] == "stream":  # layer:rows:stream[:words,rows,prefetch,ctas_per_sm]
+            if len(config) > 1:
+                c, r, pf, ctas = (int(v) for v in config[1].split(","))
+                cfg = StreamConfig(c, r, bool(pf), ctas)
+            else:
+                cfg = stream_gemv.default_config(n, k, m)
+            run = lambda: stream_gemv.gemv(act, packed, scales, cfg, early=False)  # noqa: E731
+            exact = mma.gemm_reference(act, packed, scales, residual=True)
+        elif m == 1:
             cfg = dp4a.default_config(n, k)
             run = lambda: dp4a.gemv(act, packed, scales, cfg, ws)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=True)

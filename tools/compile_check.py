@@ -266,6 +266,8 @@ def compile_cuda(capability: int) -> list[Compiled]:
     for k, n in LAYERS.values():
         for rows in range(1, linear.STREAM_MAX_M + 1):
             config = stream_gemv.default_config(n, k, rows)
+            if config is None:
+                continue
             for dt in (torch.bfloat16, torch.float32):
                 streams[stream_gemv.template(config, rows, k, dt)] = (config, rows, k, n)
     for name, (config, rows, k, n) in sorted(streams.items()):

@@ -158,11 +158,14 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     if stream and packed.is_cuda:
         from bonsai_vllm.ternary.kernels import stream_gemv
 
-        configs = tuple(stream_gemv.default_config(n, k, rows) for rows in range(1, STREAM_MAX_M + 1))
-        if None not in configs:
-            tw.stream = configs
-            for rows, config in enumerate(configs, 1):  # compiled and loaded now, not inside a capture
-                stream_gemv.kernel(config, rows, k, torch.bfloat16, packed.device)
+        configs = []  # 1, 2, ... rows, up to the first row count the kernel does not take at this shape
+        for rows in range(1, STREAM_MAX_M + 1):
+            config = stream_gemv.default_config(n, k, rows)
+            if config is None:
+                break
+            configs.append(config)
+            stream_gemv.kernel(config, rows, k, torch.bfloat16, packed.device)  # compiled now, not in a capture
+        tw.stream = tuple(configs) or None
     return tw
 
 

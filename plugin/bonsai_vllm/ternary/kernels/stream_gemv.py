@@ -50,21 +50,35 @@ class StreamConfig:
         return -(-(k // 16) // (32 * self.words))
 
 
-def default_config(n: int, k: int, m: int = 1) -> StreamConfig | None:
-    """The configuration for m batch rows through a layer of N outputs and K inputs; None where the kernel does
-    not apply (K not whole groups of 128, more than 32 warps' worth of words, m outside 1..MAX_ROWS).
+# Per batch rows and layer class: (words per thread, output rows per tile, prefetch, CTAs per SM). From the H200
+# sweep of benchmarks/stream_gemv.py (96 configurations per shape, docs/benchmarks.md), each the class's fastest
+# (its other layer within 1 %): two words per thread everywhere; prefetching the next tile gained nothing there
+# beyond noise (it costs 30 registers). The LM head (N > 65536) at one row keeps the first default (79 % of copy
+# bandwidth); at two rows it stays on the mma kernel, which was faster there (80 against 86 µs).
+_RULES = {1: {"wide": (2, 4, False, 6), "deep": (2, 4, False, 4), "narrow": (2, 8, False, 6), "other": (2, 8, False, 4),
+              "head": (2, 8, True, 4)},
+          2: {"wide": (2, 4, False, 4), "deep": (2, 4, False, 2), "narrow": (2, 4, False, 4), "other": (2, 4, False, 4)}}
+WIDE_N = 16384  # gate_up's 17408 outputs per rank
+HEAD_N = 65536  # the LM head's 124160
+DEEP_K = 6144  # down_proj's 8704 inputs per rank
+NARROW_K = 4096  # o_proj's and GDN-out's 3072
 
-    From the H200 sweep of benchmarks/stream_gemv.py (docs/benchmarks.md): two words and eight output rows per
-    thread everywhere but the deep layer (down_proj, 8704 inputs: nine-warp CTAs, four rows a tile), prefetch
-    on, four CTAs per SM, six on the narrow layers (3072 inputs: o_proj, GDN-out)."""
+
+def layer_class(n: int, k: int) -> str:
+    return ("head" if n > HEAD_N else "wide" if n >= WIDE_N else "deep" if k > DEEP_K else "narrow" if k <= NARROW_K
+            else "other")
+
+
+def default_config(n: int, k: int, m: int = 1) -> StreamConfig | None:
+    """The configuration for m batch rows through a layer of N outputs and K inputs (`_RULES`); None where the
+    kernel does not apply or is not the faster route (K not whole groups of 128, more than 32 warps' worth of
+    words, m outside 1..MAX_ROWS, the LM head at two rows)."""
     if k % GROUP or n < 1 or not 1 <= m <= MAX_ROWS:
         return None
-    if k > 6144:
-        config = StreamConfig(words=2, rows=4, prefetch=False, ctas_per_sm=4)
-    elif k <= 4096:
-        config = StreamConfig(words=2, rows=8, prefetch=True, ctas_per_sm=6)
-    else:
-        config = StreamConfig(words=2, rows=8, prefetch=True, ctas_per_sm=4)
+    rule = _RULES[m].get(layer_class(n, k))
+    if rule is None:
+        return None
+    config = StreamConfig(*rule)
     return config if config.warps(k) <= 32 else None
 
 
