@@ -28,12 +28,65 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import kernels as bk
+from bonsai_vllm import nvrtc
 from bonsai_vllm.ternary.kernels import dp4a, stream_gemv
 from bonsai_vllm.ternary.kernels.stream_gemv import StreamConfig
 from bonsai_vllm.ternary.reference import dequantize, signed_block_hadamard
 
 HEAD_SWEEP = [StreamConfig(2, r, pf, ctas) for r in (4, 8) for pf in (False, True) for ctas in (2, 4, 6)]
-ROWS = (1, 2)  # one user's decode step without and with MTP
+ROWS = (1, 2)
+
+# What any one-kernel GEMV on this grid pays before arithmetic: `read_floor` reads a layer's codes and scales with
+# the streaming GEMV's CTAs, rows and words per thread (two words, eight rows of loads in flight) and keeps only an
+# XOR; `launch_floor` is the same grid doing nothing. Both are timed like the GEMV (graph replays, copies that miss
+# L2), so the GEMV's time over read_floor's is what its arithmetic, reduction and stores cost.
+FLOOR_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+template <int KW>
+__global__ void read_floor(const u64* __restrict__ codes, const unsigned short* __restrict__ scales, int N, u32* sink) {
+  const long r0 = (long)blockIdx.x * N / gridDim.x, r1 = (long)(blockIdx.x + 1) * N / gridDim.x;
+  const int t = threadIdx.x;
+  const bool active = 2 * t < KW;
+  u32 acc = 0;
+  for (long n0 = r0; n0 < r1; n0 += 8) {
+    u64 w[8];
+    unsigned short sc[8];
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      const bool ok = active && n0 + r < r1;
+      w[r] = ok ? __ldg(codes + (n0 + r) * (KW / 2) + t) : 0ull;
+      sc[r] = ok ? __ldg(scales + (n0 + r) * (KW / 8) + t / 4) : (unsigned short)0;
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) acc ^= (u32)w[r] ^ (u32)(w[r] >> 32) ^ sc[r];
+  }
+  if (acc == 0x9e3779b9u) sink[blockIdx.x] = acc;  // (almost) never: only keeps the loads
+}
+__global__ void launch_floor(u32* sink) {
+  if (threadIdx.x == 1023) sink[0] = 1;
+}
+"""
+
+
+def floor_kernels(k: int):
+    """(read_floor for K inputs, launch_floor), compiled for this GPU."""
+    major, minor = torch.cuda.get_device_capability()
+    return tuple(nvrtc.load(*nvrtc.compile_cuda(FLOOR_SOURCE, name, f"{major}{minor}"), torch.cuda.current_device())
+                 for name in (f"read_floor<{k // 16}>", "launch_floor"))
+
+
+def time_floors(k: int, n: int, tern, copies: int) -> tuple[float, float]:
+    """µs per call of read_floor and launch_floor on the one-row default's grid."""
+    config = stream_gemv.default_config(n, k, 1)
+    ctas, _ = stream_gemv.grid(config, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    block = (32 * config.warps(k), 1, 1)
+    read, empty = floor_kernels(k)
+    sink = torch.zeros(ctas, dtype=torch.int32, device="cuda")
+    t_read = bk.time_graph(lambda i: read(grid=(ctas, 1, 1), block=block, args=[tern[i][0], tern[i][1], n, sink]),
+                           copies, bk.calls_for(5))
+    t_empty = bk.time_graph(lambda i: empty(grid=(ctas, 1, 1), block=block, args=[sink]), 1, bk.calls_for(2))
+    return t_read, t_empty  # one user's decode step without and with MTP
 SWEEP = [StreamConfig(c, r, pf, ctas) for c, r in ((1, 8), (1, 16), (1, 32), (2, 4), (2, 8), (2, 16), (4, 4), (4, 8))
          for pf, ctas in itertools.product((False, True), (1, 2, 3, 4, 6, 8))]
 
@@ -45,8 +98,7 @@ def bench_rows(name, k, n, m, rotated, signs, packed, scales, w_ref, tern, tws, 
     act = dp4a.prepare(x)
     want_int = dp4a.gemv_reference(act, packed, scales)
     want = x.float() @ w_ref.t()
-    # the default (the LM head at two rows has none: the mma kernel serves it; its first-sweep config stands in)
-    default = stream_gemv.default_config(n, k, m) or StreamConfig(2, 8, True, 4)
+    default = stream_gemv.default_config(n, k, m)
     sweep = HEAD_SWEEP if name == "lm_head" else SWEEP
     configs = [default] if quick else list(dict.fromkeys([default, *sweep]))
     ok = {}
@@ -126,23 +178,29 @@ def main(argv: list[str] | None = None) -> int:
         # the served layer with this kernel (its defaults) and without (today's routes: dp4a at one row, mma at two)
         tws = {on: [linear.prepare(p, s, sg, expand_int8=False, stream=on) for p, s in tern] for on in (True, False)}
         dense = [w_ref.to(torch.bfloat16) for _ in range(bk.n_copies(2 * n * k, l2))]
+        floors = bk.guard(f"{name} floors", time_floors, k, n, tern, copies) or (float("nan"), float("nan"))
+        bk.say(f"  {name:8s} read floor {floors[0]:6.2f} µs ({100 * tern_bytes / bw * 1e6 / floors[0]:.0f}% of copy bw), "
+               f"launch floor {floors[1]:5.2f} µs")
         for m in ROWS:
-            rows.append(bk.guard(f"{name} M={m}", bench_rows, name, k, n, m, rotated, signs, packed, scales, w_ref,
-                                 tern, tws, dense, copies, tern_bytes / bw * 1e6, args.quick, failures, linear))
+            r = bk.guard(f"{name} M={m}", bench_rows, name, k, n, m, rotated, signs, packed, scales, w_ref,
+                         tern, tws, dense, copies, tern_bytes / bw * 1e6, args.quick, failures, linear)
+            if r:
+                rows.append({**r, "read_floor_us": floors[0], "launch_floor_us": floors[1]})
         del tws, dense
         torch.cuda.empty_cache()
-    rows = [r for r in rows if r]
     lines = ["| layer | M | stream µs (best) | % of copy bw | best config | stream µs (default) | % of copy bw | "
              "served µs (stream, early launch) | % of copy bw | served µs, ordinary launch | served µs today | "
-             "today's route | × today | bf16 µs | × bf16 (served) | error vs float32 (GEMV; served, bf16 out) |",
-             "|" + "---|" * 16]
+             "today's route | × today | bf16 µs | × bf16 (served) | error vs float32 (GEMV; served, bf16 out) | "
+             "read floor µs (% of copy bw) | stream (default) × read floor | launch floor µs |", "|" + "---|" * 19]
     for r in rows:
         d = r["default_us"] or float("nan")
         lines.append(f"| {r['layer']} | {r['M']} | {r['best_us']:.2f} | {100 * r['floor_us'] / r['best_us']:.0f} | "
                      f"{StreamConfig(**r['best'])} | {d:.2f} | {100 * r['floor_us'] / d:.0f} | {r['served_us']:.2f} | "
                      f"{100 * r['floor_us'] / r['served_us']:.0f} | {r['served_late_us']:.2f} | {r['today_us']:.2f} | "
                      f"{r['today']} | {r['today_us'] / r['served_us']:.2f} | {r['bf16_us']:.2f} | "
-                     f"{r['bf16_us'] / r['served_us']:.2f} | {r['err']:.1e}; {r['served_err']:.1e} |")
+                     f"{r['bf16_us'] / r['served_us']:.2f} | {r['err']:.1e}; {r['served_err']:.1e} | "
+                     f"{r['read_floor_us']:.2f} ({100 * r['floor_us'] / r['read_floor_us']:.0f}) | "
+                     f"{d / r['read_floor_us']:.2f} | {r['launch_floor_us']:.2f} |")
     return bk.report(Path(args.out), "stream-gemv", {"copy_bw": bw, "rows": rows}, lines, failures)
 
 

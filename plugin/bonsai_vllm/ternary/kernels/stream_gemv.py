@@ -53,11 +53,12 @@ class StreamConfig:
 # Per batch rows and layer class: (words per thread, output rows per tile, prefetch, CTAs per SM). From the H200
 # sweep of benchmarks/stream_gemv.py (96 configurations per shape, docs/benchmarks.md), each the class's fastest
 # (its other layer within 1 %): two words per thread everywhere; prefetching the next tile gained nothing there
-# beyond noise (it costs 30 registers). The LM head (N > 65536) at one row keeps the first default (79 % of copy
-# bandwidth); at two rows it stays on the mma kernel, which was faster there (80 against 86 µs).
+# beyond noise (it costs 30 registers). The LM head (N > 65536; a sweep of 12) at 80 % of copy bandwidth at one
+# row, and 72 µs at two (the mma kernel: 81).
 _RULES = {1: {"wide": (2, 4, False, 6), "deep": (2, 4, False, 4), "narrow": (2, 8, False, 6), "other": (2, 8, False, 4),
-              "head": (2, 8, True, 4)},
-          2: {"wide": (2, 4, False, 4), "deep": (2, 4, False, 2), "narrow": (2, 4, False, 4), "other": (2, 4, False, 4)}}
+              "head": (2, 8, False, 4)},
+          2: {"wide": (2, 4, False, 4), "deep": (2, 4, False, 2), "narrow": (2, 4, False, 4), "other": (2, 4, False, 4),
+              "head": (2, 8, False, 4)}}
 WIDE_N = 16384  # gate_up's 17408 outputs per rank
 HEAD_N = 65536  # the LM head's 124160
 DEEP_K = 6144  # down_proj's 8704 inputs per rank
@@ -71,14 +72,11 @@ def layer_class(n: int, k: int) -> str:
 
 def default_config(n: int, k: int, m: int = 1) -> StreamConfig | None:
     """The configuration for m batch rows through a layer of N outputs and K inputs (`_RULES`); None where the
-    kernel does not apply or is not the faster route (K not whole groups of 128, more than 32 warps' worth of
-    words, m outside 1..MAX_ROWS, the LM head at two rows)."""
+    kernel does not apply (K not whole groups of 128, more than 32 warps' worth of
+    words, m outside 1..MAX_ROWS)."""
     if k % GROUP or n < 1 or not 1 <= m <= MAX_ROWS:
         return None
-    rule = _RULES[m].get(layer_class(n, k))
-    if rule is None:
-        return None
-    config = StreamConfig(*rule)
+    config = StreamConfig(*_RULES[m][layer_class(n, k)])
     return config if config.warps(k) <= 32 else None
 
 
