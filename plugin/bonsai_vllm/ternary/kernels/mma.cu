@@ -262,7 +262,9 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
     ws_dst[u] = shared_address(stage[0].wscales + c);
     ws_word[u] = c < S::ROWS * S::WS ? c % S::WS : S::WS;
   }
-  auto issue = [&](int i) {
+  // A stage's copies in two parts: the weights' (codes and scales), which no earlier kernel writes, and the
+  // activations' (the prep kernel's output).
+  auto issue_weights = [&](int i) {
     const u32 at = (i % STAGES) * (u32)sizeof(S);                // the stage's buffer, from stage 0
     const int grp0 = g0 + GPS * i, ngrp = min(GPS, g1 - grp0);  // the stage's groups inside the slice
     const long k_words = 8L * GPS * i;
@@ -272,6 +274,17 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
       copy16(code_dst + at + u * STEP * S::CWP * 4, code_src + u * step_words + k_words,
              in_slice && ((u + 1) * STEP <= S::ROWS || first + u * STEP < S::ROWS));
 #pragma unroll
+    for (int u = 0; u < N_WS; ++u) {
+      const int word = (grp0 >> 1) + ws_word[u];  // holds groups 2 word and 2 word + 1
+      copy4(ws_dst[u] + at, ws_src[u] + 2 * word, ws_word[u] < S::WS && 2 * word < grp0 + ngrp);
+    }
+  };
+  auto issue_activations = [&](int i) {
+    const u32 at = (i % STAGES) * (u32)sizeof(S);
+    const int grp0 = g0 + GPS * i, ngrp = min(GPS, g1 - grp0);
+    const long k_words = 8L * GPS * i;
+    const bool in_slice = q / 2 < ngrp;
+#pragma unroll
     for (int u = 0; u < N_X; ++u)
 #pragma unroll
       for (int v = 0; v < S::NX; ++v)
@@ -279,11 +292,6 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
                in_slice && first + u * STEP < x_rows);
 #pragma unroll
     for (int u = 0; u < N_SC; ++u) copy4(sc_dst[u] + at, sc_src[u] + GPS * i, sc_grp[u] < ngrp);
-#pragma unroll
-    for (int u = 0; u < N_WS; ++u) {
-      const int word = (grp0 >> 1) + ws_word[u];  // holds groups 2 word and 2 word + 1
-      copy4(ws_dst[u] + at, ws_src[u] + 2 * word, ws_word[u] < S::WS && 2 * word < grp0 + ngrp);
-    }
   };
 
   // Where this thread's activation words lie in a stage, per chunk column: its first column tile's ml =
@@ -303,15 +311,26 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[r][j][e] = 0.f;
 
+  // The first stages' weights go out before anything else. Launched as a programmatic dependent of the
+  // activation prep (mma.py), the kernel gets here while the prep still runs; griddepcontrol.wait then waits for
+  // the prep's end and its stores (a no-op on an ordinary launch). The weights of all the first stages join the
+  // first commit group, which the first wait covers anyway.
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i)
+    if (i < nstages) issue_weights(i);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < nstages) issue(i);
+    if (i < nstages) issue_activations(i);
     copy_commit();
   }
   for (int i = 0; i < nstages; ++i) {
     copy_wait<STAGES - 2>();  // stage i has landed (for this thread's copies) ...
     __syncthreads();          // ... and for everyone's; and buffer (i - 1) % STAGES is free again
-    if (i + STAGES - 1 < nstages) issue(i + STAGES - 1);
+    if (i + STAGES - 1 < nstages) {
+      issue_weights(i + STAGES - 1);
+      issue_activations(i + STAGES - 1);
+    }
     copy_commit();
     const S& s = stage[i % STAGES];
     // This stage's weight scales: row (local) lr, group grp at half grp - 2 (grp0 / 2) of the row's words.

@@ -73,6 +73,9 @@ class MmaConfig:
 
 
 SHARED_MAX = 48 * 1024  # static shared memory of one CTA (without opting in: sm_90 and sm_120 alike)
+# Launch as a programmatic dependent of the prep kernel by default (benchmarks/mma_gemm.py and stream_gemv.py
+# measure it against an ordinary launch).
+EARLY_LAUNCH = True
 
 # Batch rows up to which the residual term runs: on the H200 (benchmarks/mma_gemm.py, docs/benchmarks.md) it
 # costs 1.05-1.3x the plain kernel there and still beats the route it replaces at every shape; plain int8
@@ -141,10 +144,15 @@ def _load(name: str, capability: str, device_index: int):
     return nvrtc.load(*compile_instance(name, capability), device_index)
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def kernel(rows: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
     """The loaded instance for `rows` batch rows on `device`'s GPU (compiled once per process)."""
     index = torch.device(device).index or 0
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = _capability(index)
     return _load(template(rows, config, out_dtype), f"{major}{minor}", index)
 
 
@@ -164,10 +172,12 @@ def reserve(device: torch.device | str, n: int, k: int, config: MmaConfig, rows:
 
 
 def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: MmaConfig, workspace,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, early: bool | None = None) -> torch.Tensor:
     """y [M, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales fp16
     [N, K/128]) applied to the M rows of `act` (1 <= M <= 64); `out` may be any [M, N] view with unit stride
-    along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls)."""
+    along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls). `early`:
+    launched as a programmatic dependent of the kernel ahead of it (nvrtc.launch; sm_90 and later; None:
+    EARLY_LAUNCH)."""
     n, kw = packed.shape
     m = act.rows
     if not 1 <= m <= MAX_ROWS:
@@ -184,9 +194,12 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     ctas = n // config.rows_per_cta()
     partials, counters = workspace.get(splits * m * n if splits > 1 else 1, ctas)
     fn = kernel(m, config, y.dtype, packed.device)
-    fn(grid=(ctas, splits, 1), block=(32 * config.warps * config.wm, 1, 1),
-       args=[packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
-             y.stride(0)])
+    # early: the kernel may start while the activation prep ahead of it runs (it copies its first stages'
+    # weights, then waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
+    early = (EARLY_LAUNCH if early is None else early) and _capability(packed.device.index or 0)[0] >= 9
+    nvrtc.launch(fn, (ctas, splits, 1), (32 * config.warps * config.wm, 1, 1),
+                 [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
+                  y.stride(0)], early=early)
     return y
 
 
