@@ -96,12 +96,12 @@ _PTXAS_SEEN: dict[str, tuple[int, int]] = {}
 def compile_only(capability: int, results: list[Compiled], cubins: dict | None = None):
     """Every `jit_fn[grid](...)` inside compiles for `capability` (fresh cache, ptxas -v captured) and
     returns without launching; `triton_runtime.usable` says yes to CPU tensors so dispatch takes the GPU
-    paths. `cubins`, if given, collects each launch's compiled code by its position in `results`."""
+    paths, and the prep kernels compile with their early-launch trigger where a GPU would (sm_90 and later). `cubins`, if given, collects each launch's compiled code by its position in `results`."""
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
     from bonsai_vllm import triton_runtime as _triton
-    from bonsai_vllm.ternary.kernels import linear
+    from bonsai_vllm.ternary.kernels import dp4a, hadamard, linear
 
     ptxas = _PTXAS_SEEN
 
@@ -123,7 +123,7 @@ def compile_only(capability: int, results: list[Compiled], cubins: dict | None =
             return kernel
         return launch
 
-    saved = (JITFunction.__getitem__, _triton.usable, linear.usable)
+    saved = (JITFunction.__getitem__, _triton.usable, linear.usable, dp4a.early_launch, hadamard.early_launch)
     cache = tempfile.mkdtemp(prefix="bonsai-compile-check-")
     env = {"TRITON_CACHE_DIR": cache, "TRITON_DUMP_PTXAS_LOG": "1"}
     old_env = {k: os.environ.get(k) for k in env}
@@ -132,10 +132,12 @@ def compile_only(capability: int, results: list[Compiled], cubins: dict | None =
     driver.set_active(_CompileOnlyDriver(capability))
     JITFunction.__getitem__ = getitem
     _triton.usable = linear.usable = lambda t: True
+    # the prep kernels as a GPU compiles them: with griddepcontrol.launch_dependents from sm_90 on
+    dp4a.early_launch = hadamard.early_launch = lambda t: capability >= 90
     try:
         yield
     finally:
-        JITFunction.__getitem__, _triton.usable, linear.usable = saved
+        JITFunction.__getitem__, _triton.usable, linear.usable, dp4a.early_launch, hadamard.early_launch = saved
         driver._active = previous_driver
         for k, v in old_env.items():
             if v is None:

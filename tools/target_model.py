@@ -3,9 +3,9 @@
     PYTHONPATH=plugin python -m tools.target_model [--context 8192] [--json FILE]
 
 Nobody here has an RTX 5070, so its times are predicted, not measured. For each per-rank layer and batch rows
-M, the served route (kernels.linear.route, with the dp4a and mma routes prepared as on CUDA) is compiled for
-the card as it would be at load (Triton's compiler and ptxas through compile_check's stand-in driver; NVRTC
-for mma.cu), and the main loop of its SASS (cuobjdump) is read: instructions per iteration and the weights
+M, the served route (kernels.linear.route, with the stream, dp4a and mma routes prepared as on CUDA) is compiled
+for the card as it would be at load (Triton's compiler and ptxas through compile_check's stand-in driver; NVRTC
+for mma.cu and stream_gemv.cu), and the main loop of its SASS (cuobjdump) is read: instructions per iteration and the weights
 one iteration covers, hence instructions per weight. Then, per launch,
 
     issue  = instructions per weight · N·K · passes over the weights / (SMs · 4 schedulers · clock)
@@ -99,7 +99,7 @@ class Launch:
 
 def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch]]:
     """The served route for m rows and its launches, compiled for card.arch."""
-    from bonsai_vllm.ternary.kernels import dp4a, hadamard, linear, mma
+    from bonsai_vllm.ternary.kernels import dp4a, hadamard, linear, mma, stream_gemv
 
     g = torch.Generator().manual_seed(0)
     packed = torch.randint(-2**31, 2**31 - 1, (n, k // 16), generator=g, dtype=torch.int32)
@@ -109,6 +109,7 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
     tw = linear.prepare(packed, scales, signs, dp4a=False, mma=False)
     tw.dp4a = tuple(dp4a.default_config(n, k, r) for r in range(1, linear.DP4A_MAX_M + 1))
     tw.mma = tuple(mma.default_config(r, n, k) for r in range(1, linear.MMA_MAX_M + 1))
+    tw.stream = tuple(stream_gemv.default_config(n, k, r) for r in range(1, linear.STREAM_MAX_M + 1))
     route = linear.route(m, tw)
     x = torch.randn(m, k, generator=g).bfloat16()
     results: list[Compiled] = []
@@ -116,7 +117,7 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
     weight_bytes = n * k / 4 + n * k / 128 * 2  # codes and fp16 scales
     out_bytes = m * n * 2
     with compile_only(card.arch, results, cubins):
-        if route.path == "mma":  # the prep through Triton here; the CUDA kernel is compiled below
+        if route.path in ("mma", "stream"):  # the prep through Triton here; the CUDA kernel is compiled below
             dp4a.prepare(x) if rotated else hadamard.rotate_dp4a(x, signs)
         else:
             linear.ternary_linear(x, tw, rotated=rotated)
@@ -137,6 +138,13 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
         # one iteration is one pipeline stage: a warp's 16 · rtiles rows × gps groups of 128 inputs, for its
         # 1/wm of the column tiles (wm warps walk the same weights)
         launches.append(Launch("ternary_mma", body, 16 * cfg.rtiles * 128 * cfg.gps / cfg.wm, 1, weight_bytes,
+                               out_bytes))
+    if route.path == "stream":
+        cfg = route.config
+        cubin, _ = stream_gemv.compile_instance(stream_gemv.template(cfg, m, k, torch.bfloat16), str(card.arch))
+        body, _ = main_loop(cubin)
+        # one iteration is one tile: a warp's R rows × 32 threads × C words of 16 weights, for all m batch rows
+        launches.append(Launch("ternary_stream_gemv", body, cfg.rows * 32 * cfg.words * 16, 1, weight_bytes,
                                out_bytes))
     return str(route), launches
 

@@ -158,10 +158,11 @@ SETTINGS: tuple[Setting, ...] = (
             "four weights per instruction; on the H200 1.09-1.76x the fma GEMV) instead of the fma GEMV. 0: the "
             "fma GEMV. make gpu-check passed it at every real shape on the H200 (docs/benchmarks.md, issue 19).",
             "ternary/kernels/linear.py"),
-    Setting("BONSAI_STREAM_GEMV", "bool", False,
-            "Decode steps of one row on CUDA through the CUDA C GEMV that streams the codes past activations held "
-            "in registers (ternary/kernels/stream_gemv.cu, compiled by NVRTC at load) instead of the dp4a GEMV. "
-            "Off until make gpu-check has passed it at every real shape (issue 19).",
+    Setting("BONSAI_STREAM_GEMV", "bool", True,
+            "Decode steps of one or two rows (one user, MTP off or on) on CUDA through the CUDA C GEMV that streams "
+            "the codes past activations held in registers (ternary/kernels/stream_gemv.cu, compiled by NVRTC at "
+            "load; on the H200 1.23-1.53x the routes it replaced, served). 0: the dp4a GEMV at one row, the mma "
+            "kernel at two. make gpu-check passed it at every real shape on the H200 (issue 19).",
             "ternary/kernels/linear.py"),
     Setting("BONSAI_MMA_GEMM", "bool", True,
             "Decode batches of 2 to 64 rows (one user with MTP; several users; MTP verify rows) on CUDA "

@@ -7,7 +7,7 @@
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
   `ternary.reference` (the judge), so CPU serving keeps working;
-- M <= `STREAM_MAX_M`, CUDA, BONSAI_STREAM_GEMV on (off by default until gpu-checked): the same prep as dp4a,
+- M <= `STREAM_MAX_M`, CUDA, BONSAI_STREAM_GEMV (on by default): the same prep as dp4a,
   then the CUDA C GEMV streaming the codes past activations held in registers (stream_gemv.cu; issue 19),
   launched to start while the prep runs: two launches;
 - M <= `DP4A_MAX_M` (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a

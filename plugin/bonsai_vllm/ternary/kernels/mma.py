@@ -149,6 +149,11 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+@functools.cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def kernel(rows: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
     """The loaded instance for `rows` batch rows on `device`'s GPU (compiled once per process)."""
     index = torch.device(device).index or 0
@@ -177,7 +182,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     [N, K/128]) applied to the M rows of `act` (1 <= M <= 64); `out` may be any [M, N] view with unit stride
     along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls). `early`:
     launched as a programmatic dependent of the kernel ahead of it (nvrtc.launch; sm_90 and later; None:
-    EARLY_LAUNCH)."""
+    EARLY_LAUNCH where the grid has at least two CTAs per SM)."""
     n, kw = packed.shape
     m = act.rows
     if not 1 <= m <= MAX_ROWS:
@@ -196,7 +201,13 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     fn = kernel(m, config, y.dtype, packed.device)
     # early: the kernel may start while the activation prep ahead of it runs (it copies its first stages'
     # weights, then waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
-    early = (EARLY_LAUNCH if early is None else early) and _capability(packed.device.index or 0)[0] >= 9
+    index = packed.device.index or 0
+    if early is None:
+        # A grid of fewer than two CTAs per SM, launched while the prep still holds some SMs, ran up to 1.9x
+        # slower (qkv, GDN-in at 48-64 rows on the H200: its CTAs doubled up on the free SMs, we think); the
+        # larger grids gained 1-6 % (docs/benchmarks.md).
+        early = EARLY_LAUNCH and ctas * splits >= 2 * _sms(index)
+    early = early and _capability(index)[0] >= 9
     nvrtc.launch(fn, (ctas, splits, 1), (32 * config.warps * config.wm, 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
                   y.stride(0)], early=early)
