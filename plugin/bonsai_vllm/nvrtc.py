@@ -119,3 +119,16 @@ def launch(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args
     code = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, (ctypes.c_void_p * len(params))(*params), None)
     if code:
         raise NvrtcError(f"cuLaunchKernelEx failed with CUresult {code}")
+
+
+def resident_ctas(kernel, threads: int, shared_mem: int = 0) -> int:
+    """How many CTAs of `threads` threads (and `shared_mem` dynamic shared bytes) of a `load`ed kernel one SM of
+    the current device holds at once (the driver's occupancy calculator: registers, shared memory, threads)."""
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    n = ctypes.c_int()
+    code = _get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(n), kernel.func, ctypes.c_int(threads), ctypes.c_size_t(shared_mem))
+    if code:
+        raise NvrtcError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {code}")
+    return n.value
