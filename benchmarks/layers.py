@@ -5,8 +5,8 @@
 On a CUDA GPU, for the six per-rank TP=2 layers of the 27B and batch rows M, in one run:
 - ours: `ternary_linear` as served on the 12 GB cards (W8 not kept at load), on rotated input, so the route is
   the dispatch's own (the streaming GEMV or dp4a at one row, the int8 tensor-core kernel at 2-64, W8 expanded
-  per call beyond); and the same call with the CUDA C kernels launched the ordinary way after a prep kernel
-  instead of as its programmatic dependents (nvrtc.launch's `early`) or, one or two rows, preparing x themselves;
+  per call beyond); and the same call with the CUDA C kernels launched the ordinary way instead of as
+  programmatic dependents of the prep (nvrtc.launch's `early`);
 - bf16 cuBLAS (`F.linear`) on the dequantized weights;
 - the byte floor: the codes and scales read once at the measured copy bandwidth;
 - gemlite 0.6 (PyPI; Triton low-bit kernels, 2-bit codes with group-128 scales, HQQ's (W_q - zero) · scale,
@@ -38,11 +38,10 @@ BOUND = {"dp4a": 3e-3, "stream": 3e-3, "mma": 1e-2, "gemv": 1e-2, "int8": 2e-2}
 
 
 def set_early_launch(on: bool) -> None:
-    """Whether the CUDA C kernels (stream_gemv, mma) are launched to start while the prep ahead of them runs
-    (and the stream GEMV prepares x itself); off: the prep kernel, then the GEMV launched the ordinary way."""
+    """Whether the CUDA C kernels (stream_gemv, mma) are launched to start while the prep ahead of them runs."""
     from bonsai_vllm.ternary.kernels import mma, stream_gemv
 
-    mma.EARLY_LAUNCH = stream_gemv.EARLY_LAUNCH = stream_gemv.FUSE_PREP = on
+    mma.EARLY_LAUNCH = stream_gemv.EARLY_LAUNCH = on
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,11 +9,10 @@ On the GPU:
   default only) against dp4a.gemv_reference (the same integer maths; float32 y, 1e-5) on fresh data, and the
   default also against the float32 layer; the fastest and the default run three more times and must give the
   same bits;
-- the GEMV that prepares x itself (`gemv_x`, float32 y) against the float32 layer (3e-3);
 - times, as CUDA-graph replays over weight copies that miss L2: the GEMV alone for every configuration
   (ordinary launches), bf16 cuBLAS, and the served call (`ternary_linear`, W8 not kept, x as the adapter passes
-  it) with BONSAI_STREAM_GEMV on (the prep inside the GEMV; a prep kernel ahead of the GEMV launched early; the
-  same launched the ordinary way) against off (the dp4a GEMV at one row, the mma kernel at two).
+  it: prep + GEMV) with BONSAI_STREAM_GEMV on (the GEMV launched early, and the ordinary way) against off
+  (today's routes: the dp4a GEMV at one row, the mma kernel at two).
 docs/benchmarks.md has the figures.
 """
 
@@ -134,30 +133,21 @@ def bench_rows(name, k, n, m, rotated, signs, packed, scales, w_ref, tern, tws, 
         return bk.time_graph(lambda i: linear.ternary_linear(x, tws[on][i], rotated=rotated), copies, bk.calls_for(15))
 
     t_served, t_today = served(True), served(False)
-    stream_gemv.FUSE_PREP = False  # the same served call with the prep kernel ahead of the GEMV ...
-    t_served_pdl = served(True)
-    stream_gemv.EARLY_LAUNCH = False  # ... and the GEMV launched the ordinary way
+    stream_gemv.EARLY_LAUNCH = False  # the same served call, the GEMV launched the ordinary way
     t_served_late = served(True)
-    stream_gemv.EARLY_LAUNCH = stream_gemv.FUSE_PREP = True
-    # the GEMV preparing x itself (float32 y), against the float32 layer
-    y_fused = stream_gemv.gemv_x(x, None if rotated else signs, packed, scales, default)
-    want_layer = (x.float() if rotated else signed_block_hadamard(x.float(), signs, 1024)) @ w_ref.t()
-    err_fused = bk.rel(y_fused, want_layer)
-    if not err_fused < 3e-3:
-        failures.append(f"{name} M={m} {default} with the prep inside: {err_fused:.2e} against the float32 layer")
+    stream_gemv.EARLY_LAUNCH = True
+    xr = x.float() if rotated else signed_block_hadamard(x.float(), signs, 1024)
     y_served = linear.ternary_linear(x, tws[True][0], rotated=rotated).float()
-    err_served = bk.rel(y_served, want_layer)
+    err_served = bk.rel(y_served, xr @ w_ref.t())
     if not err_served < 8e-3:  # bf16 output
         failures.append(f"{name} M={m} served stream route: {err_served:.2e}")
     t_bf16 = bk.time_graph(lambda i: F.linear(x, dense[i]), len(dense), bk.calls_for(30))
     today = str(linear.route(m, tws[False][0]))
     bk.say(f"  {name:8s} M={m} best {timed[best]:6.2f} µs ({100 * floor / timed[best]:.0f}% of copy bw, {best}); "
-           f"default {timed.get(default, float('nan')):6.2f}; served {t_served:6.2f} (prep kernel + early launch "
-           f"{t_served_pdl:6.2f}, ordinary launch {t_served_late:6.2f}) vs today {t_today:6.2f} ({today}); "
-           f"bf16 {t_bf16:6.2f}; prep inside: error {err_fused:.1e}")
+           f"default {timed.get(default, float('nan')):6.2f}; served {t_served:6.2f} (ordinary launch "
+           f"{t_served_late:6.2f}) vs today {t_today:6.2f} ({today}); bf16 {t_bf16:6.2f}")
     return dict(layer=name, K=k, N=n, M=m, best=asdict(best), best_us=timed[best], default=asdict(default),
-                default_us=timed.get(default), served_us=t_served, served_pdl_us=t_served_pdl,
-                served_late_us=t_served_late, today_us=t_today, fused_err=err_fused,
+                default_us=timed.get(default), served_us=t_served, served_late_us=t_served_late, today_us=t_today,
                 today=today, bf16_us=t_bf16, floor_us=floor, err=err_float, served_err=err_served,
                 sweep={str(c): t for c, t in timed.items()})
 
@@ -199,16 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         del tws, dense
         torch.cuda.empty_cache()
     lines = ["| layer | M | stream µs (best) | % of copy bw | best config | stream µs (default) | % of copy bw | "
-             "served µs (stream, prep inside) | % of copy bw | served µs, prep kernel + early launch | "
-             "served µs, prep kernel + ordinary launch | served µs today | "
+             "served µs (stream, early launch) | % of copy bw | served µs, ordinary launch | served µs today | "
              "today's route | × today | bf16 µs | × bf16 (served) | error vs float32 (GEMV; served, bf16 out) | "
-             "read floor µs (% of copy bw) | stream (default) × read floor | launch floor µs |", "|" + "---|" * 20]
+             "read floor µs (% of copy bw) | stream (default) × read floor | launch floor µs |", "|" + "---|" * 19]
     for r in rows:
         d = r["default_us"] or float("nan")
         lines.append(f"| {r['layer']} | {r['M']} | {r['best_us']:.2f} | {100 * r['floor_us'] / r['best_us']:.0f} | "
                      f"{StreamConfig(**r['best'])} | {d:.2f} | {100 * r['floor_us'] / d:.0f} | {r['served_us']:.2f} | "
-                     f"{100 * r['floor_us'] / r['served_us']:.0f} | {r['served_pdl_us']:.2f} | "
-                     f"{r['served_late_us']:.2f} | {r['today_us']:.2f} | "
+                     f"{100 * r['floor_us'] / r['served_us']:.0f} | {r['served_late_us']:.2f} | {r['today_us']:.2f} | "
                      f"{r['today']} | {r['today_us'] / r['served_us']:.2f} | {r['bf16_us']:.2f} | "
                      f"{r['bf16_us'] / r['served_us']:.2f} | {r['err']:.1e}; {r['served_err']:.1e} | "
                      f"{r['read_floor_us']:.2f} ({100 * r['floor_us'] / r['read_floor_us']:.0f}) | "

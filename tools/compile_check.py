@@ -271,8 +271,7 @@ def compile_cuda(capability: int) -> list[Compiled]:
             if config is None:
                 continue
             for dt in (torch.bfloat16, torch.float32):
-                for prep in (0, 1 if k % 1024 else 2):  # after a prep kernel; preparing (and rotating) x itself
-                    streams[stream_gemv.template(config, rows, k, dt, prep)] = (config, rows, k, n)
+                streams[stream_gemv.template(config, rows, k, dt)] = (config, rows, k, n)
     for name, (config, rows, k, n) in sorted(streams.items()):
         cubin, _ = stream_gemv.compile_instance(name, str(capability))
         m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))

@@ -7,9 +7,9 @@
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
   `ternary.reference` (the judge), so CPU serving keeps working;
-- M <= `STREAM_MAX_M`, CUDA, BONSAI_STREAM_GEMV (on by default): the CUDA C GEMV streaming the codes past
-  activations held in registers (stream_gemv.cu; issue 19); on bf16 x each CTA rotates and prepares the rows
-  itself (one launch), else the same prep as dp4a first, the GEMV launched to start while it runs (two);
+- M <= `STREAM_MAX_M`, CUDA, BONSAI_STREAM_GEMV (on by default): the same prep as dp4a,
+  then the CUDA C GEMV streaming the codes past activations held in registers (stream_gemv.cu; issue 19),
+  launched to start while the prep runs: two launches;
 - M <= `DP4A_MAX_M` (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a
   (int8 bytes of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the
   dp4a GEMV (dp4a.py), which stores y in x's dtype: two launches;
@@ -164,10 +164,7 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
             if config is None:
                 break
             configs.append(config)
-            # compiled and loaded now, not in a capture: the GEMV after a prep kernel, and the one preparing x
-            # itself (rotating it when the layer has signs; x comes rotated to the others)
-            for prep in (0, 1 if signs is None or k % BLOCK else 2):
-                stream_gemv.launch_shape(config, rows, n, k, torch.bfloat16, packed.device, prep)
+            stream_gemv.launch_shape(config, rows, n, k, torch.bfloat16, packed.device)  # now, not in a capture
         tw.stream = tuple(configs) or None
     return tw
 
@@ -236,12 +233,6 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
                  "kept" if tw.w_int8 is not None else "expanded")
 
 
-def stream_gemv_fuses(config, k: int, x: torch.Tensor, rotated: bool, block: int) -> bool:
-    from bonsai_vllm.ternary.kernels import stream_gemv
-
-    return stream_gemv.fuses_prep(config, k, x, not rotated, block)
-
-
 def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] = H(s ⊙ x) · W'^T (+ bias), or xr · W'^T with `rotated=True`; returns x's dtype.
@@ -261,15 +252,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
     r = route(m, tw, usable(x))
     if r.path == "reference":
         return _reference(x, tw, rotated, bias)
-    if r.path == "stream" and stream_gemv_fuses(r.config, k, x2, rotated, tw.block):
-        from bonsai_vllm.ternary.kernels import stream_gemv
-
-        # one launch: every CTA rotates (unless x comes rotated) and prepares the rows itself
-        y = torch.empty(m, tw.out_features, dtype=x.dtype if bias is None else torch.float32, device=x.device)
-        stream_gemv.gemv_x(x2, None if rotated else tw.signs, tw.packed, tw.scales, r.config, out=y)
-        if bias is not None:
-            y = (y + bias.float()).to(x.dtype)
-    elif r.path in ("dp4a", "mma", "stream"):
+    if r.path in ("dp4a", "mma", "stream"):
         from bonsai_vllm.ternary.kernels import dp4a
         from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a
 

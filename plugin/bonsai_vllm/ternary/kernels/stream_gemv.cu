@@ -124,138 +124,24 @@ __device__ __forceinline__ void load_tile(Tile<C, R>& t, const u32* packed, cons
   }
 }
 
-// ---- the activation prep inside the kernel (PREP 1: x comes rotated; PREP 2: rotate it here) -------------------
-// With two words per thread, thread c holds inputs [32c, 32c + 32) of a row, so a warp holds one Hadamard block of
-// 1024 and four threads one group of 128: the rotation and the per-group int8 split need only shuffles within a
-// warp. Every CTA prepares the whole row for itself (x is a few KB from L2) while its first codes are in flight,
-// instead of a prep kernel writing it once for all: one launch less per layer. The maths is dp4a.prepare's (the
-// same float32 operations, no FMA contraction); the rotation's float32 rounding differs from the prep kernel's,
-// so an input on an int8 rounding boundary may land one step over, as between the two prep kernels.
-
-#define INV127 0.007874015718698502f  // the float32 of 1/127, as torch and the prep kernels use it
-
-__device__ __forceinline__ float round_away(float v) {  // half away from zero, as dp4a._round
-  return copysignf(floorf(fabsf(v) + 0.5f), v);
-}
-
-// x (bf16) row values at inputs [32c, 32c + 32) -> v (zeros past the row: `active` false), rotated by the block's
-// signed Hadamard if ROTATE (whole blocks: every thread active).
-template <bool ROTATE>
-__device__ __forceinline__ void load_row(float (&v)[32], const u16* x, const float* signs, int c, int lane,
-                                         bool active) {
-  const uint4* src = reinterpret_cast<const uint4*>(x + 32 * c);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint4 w = active ? src[q] : make_uint4(0u, 0u, 0u, 0u);
-    const u32 ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int h = 0; h < 4; ++h) {
-      v[8 * q + 2 * h] = __int_as_float(ws[h] << 16);
-      v[8 * q + 2 * h + 1] = __int_as_float(ws[h] & 0xffff0000u);
-    }
-  }
-  if (!ROTATE) return;
-#pragma unroll
-  for (int t = 0; t < 32; ++t) v[t] = __fmul_rn(v[t], signs[32 * c + t]);
-  // index i = 32 lane + t of the block: butterflies over t's bits in registers, then over lane's bits by shuffles
-#pragma unroll
-  for (int bit = 1; bit < 32; bit <<= 1)
-#pragma unroll
-    for (int t = 0; t < 32; ++t)
-      if (!(t & bit)) {
-        const float a = v[t], b = v[t | bit];
-        v[t] = __fadd_rn(a, b);
-        v[t | bit] = __fsub_rn(a, b);
-      }
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const bool upper = lane & off;
-#pragma unroll
-    for (int t = 0; t < 32; ++t) {
-      const float other = __shfl_xor_sync(0xffffffffu, v[t], off);
-      v[t] = upper ? __fsub_rn(other, v[t]) : __fadd_rn(v[t], other);
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < 32; ++t) v[t] = __fmul_rn(v[t], 0.03125f);  // 1 / sqrt(1024), exact
-}
-
-// v (this thread's 32 inputs) -> its x8 and r8 lanes of two words, the group's s1, s2 and sums (four threads).
-__device__ __forceinline__ void quantize_row(float (&v)[32], u32 (&x8)[2][4], u32 (&q8)[2][4], float& s1, float& s2,
-                                             int& sum1, int& sum2) {
-  float amax = 0.f;
-#pragma unroll
-  for (int t = 0; t < 32; ++t) amax = fmaxf(amax, fabsf(v[t]));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  s1 = __fmul_rn(fmaxf(amax, 1e-30f), INV127);
-  const float inv1 = __frcp_rn(s1);
-  // x8 bytes packed as they are made (no array of 32 ints), v left holding the residual
-  float rmax = 0.f;
-  int sa = 0, sb = 0;
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      u32 w = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {  // byte b of lane j of word i: input 16 i + 4 b + j
-        const int t = 16 * i + 4 * b + j;
-        const int q = (int)fminf(fmaxf(round_away(__fmul_rn(v[t], inv1)), -127.f), 127.f);
-        v[t] = __fsub_rn(v[t], __fmul_rn((float)q, s1));  // the residual, rounded twice as torch does
-        rmax = fmaxf(rmax, fabsf(v[t]));
-        sa += q;
-        w |= (u32)(q & 0xff) << (8 * b);
-      }
-      x8[i][j] = w;
-    }
-  rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 1));
-  rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, 2));
-  s2 = __fmul_rn(fmaxf(rmax, 1e-30f), INV127);
-  const float inv2 = __frcp_rn(s2);
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      u32 w = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int r = (int)fminf(fmaxf(round_away(__fmul_rn(v[16 * i + 4 * b + j], inv2)), -127.f), 127.f);
-        sb += r;
-        w |= (u32)(r & 0xff) << (8 * b);
-      }
-      q8[i][j] = w;
-    }
-  sa += __shfl_xor_sync(0xffffffffu, sa, 1);
-  sa += __shfl_xor_sync(0xffffffffu, sa, 2);
-  sb += __shfl_xor_sync(0xffffffffu, sb, 1);
-  sb += __shfl_xor_sync(0xffffffffu, sb, 2);
-  sum1 = sa;
-  sum2 = sb;
-}
-
 // Template: M batch rows (1, or 2: one user's token and its MTP draft), C code words per thread, R output rows per
 // tile (M · R <= 32), KW = K / 16 words per row (the CTA has W = ceil(KW / 32C) warps), PF: prefetch the next tile,
 // OUT: y's type. Arguments: packed int32 [N, K/16], scales fp16 [N, K/128], the M activation rows (xa, xr int32
 // [M, 4, K/16]; gx, gr int32 [M, K/128]; s float32 [M, 2, K/128]), y [M, N] (contiguous), N, and the
 // shared-memory row capacity `cap` (>= the rows of any CTA: ceil(N / gridDim.x)); dynamic shared memory
-// W · M · cap floats. PREP 1 or 2 (two words per thread): the activations are prepared here from x (bf16 [M, ldx],
-// rotated already, or rotated here with `signs` float32 [K] per block of 1024); xa .. s are then not read.
-template <int M, int C, int R, int KW, bool PF, int OUT, int PREP>
+// W · M · cap floats.
+template <int M, int C, int R, int KW, bool PF, int OUT>
 __global__ void __launch_bounds__(32 * ((KW + 32 * C - 1) / (32 * C))) ternary_stream_gemv(const u32* __restrict__ packed,
                                                             const u16* __restrict__ scales,
                                                             const u32* __restrict__ xa, const u32* __restrict__ xr,
                                                             const int* __restrict__ gx, const int* __restrict__ gr,
-                                                            const float* __restrict__ s,
-                                                            const u16* __restrict__ x, const float* __restrict__ signs,
-                                                            int ldx, void* __restrict__ y, int N, int cap) {
+                                                            const float* __restrict__ s, void* __restrict__ y,
+                                                            int N, int cap) {
   static_assert(M == 1 || M == 2 || M == 4, "M: 1, 2 or 4 batch rows");
   static_assert(R == 1 || R == 2 || R == 4 || R == 8 || R == 16 || R == 32, "R: a power of two up to 32");
   static_assert(M * R <= 32, "M · R partials per thread at most (one per lane after the butterfly)");
   static_assert(C == 1 || C == 2 || C == 4, "C: 1, 2 or 4 words");
   static_assert(KW % 8 == 0, "K: whole groups of 128 inputs");
-  static_assert(PREP == 0 || C == 2, "the prep inside: two words per thread (four threads a group)");
-  static_assert(PREP != 2 || KW % 64 == 0, "the rotation inside: whole blocks of 1024 inputs, one per warp");
   constexpr int W = (KW + 32 * C - 1) / (32 * C), groups = KW / 8, MR = M * R;
   extern __shared__ float warp_sums[];  // [W][M][cap]: warp w's sum of batch row m, output row r0 + i
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -274,21 +160,8 @@ __global__ void __launch_bounds__(32 * ((KW + 32 * C - 1) / (32 * C))) ternary_s
   u32 x8[M][C][4], q8[M][C][4];  // x8 and r8 lanes of this thread's words, per batch row
   float s1[M], s2[M];
   int init1[M], init2[M];  // −Σ x8, −Σ r8 of the group, on the thread whose words start it
-  if (PREP) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v[32];
-      int sum1, sum2;
-      load_row<PREP == 2>(v, x + (long)m * ldx, signs, threadIdx.x, lane, active);
-      quantize_row(v, reinterpret_cast<u32(&)[2][4]>(x8[m]), reinterpret_cast<u32(&)[2][4]>(q8[m]), s1[m], s2[m],
-                   sum1, sum2);
-      const bool first = (w0 & 7) == 0;
-      init1[m] = first ? -sum1 : 0;
-      init2[m] = first ? -sum2 : 0;
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < M && !PREP; ++m) {
+  for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int i = 0; i < C; ++i)
 #pragma unroll

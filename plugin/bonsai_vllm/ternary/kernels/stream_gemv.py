@@ -32,9 +32,6 @@ SHARED_MAX = 48 * 1024  # dynamic shared memory without opting in (sm_90 and sm_
 # Launch as a programmatic dependent of the prep kernel by default (benchmarks/stream_gemv.py measures it
 # against an ordinary launch).
 EARLY_LAUNCH = True
-# Prepare the activations inside the GEMV (gemv_x: one launch) where it applies, instead of a prep kernel ahead
-# of it (benchmarks/stream_gemv.py measures both).
-FUSE_PREP = True
 
 
 @dataclass(frozen=True)
@@ -83,11 +80,10 @@ def default_config(n: int, k: int, m: int = 1) -> StreamConfig | None:
     return config if config.warps(k) <= 32 else None
 
 
-def template(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype, prep: int = 0) -> str:
-    """The C++ name (NVRTC name expression) of the instance for m batch rows, K inputs and y of `out_dtype`;
-    `prep` 0: prepared activations in, 1: x in (rotated), 2: x in, rotated inside."""
+def template(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype) -> str:
+    """The C++ name (NVRTC name expression) of the instance for m batch rows, K inputs and y of `out_dtype`."""
     return (f"ternary_stream_gemv<{m}, {config.words}, {config.rows}, {k // 16}, "
-            f"{str(config.prefetch).lower()}, {_OUT[out_dtype]}, {prep}>")
+            f"{str(config.prefetch).lower()}, {_OUT[out_dtype]}>")
 
 
 @functools.cache
@@ -101,11 +97,11 @@ def _load(name: str, capability: str, device_index: int):
     return nvrtc.load(*compile_instance(name, capability), device_index)
 
 
-def kernel(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype, device: torch.device, prep: int = 0):
+def kernel(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype, device: torch.device):
     """The loaded instance for m batch rows on `device`'s GPU (compiled once per process)."""
     index = torch.device(device).index or 0
     major, minor = _capability(index)
-    return _load(template(config, m, k, out_dtype, prep), f"{major}{minor}", index)
+    return _load(template(config, m, k, out_dtype), f"{major}{minor}", index)
 
 
 @functools.cache
@@ -118,18 +114,18 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_shape(config: StreamConfig, m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.device,
-                 prep: int = 0) -> tuple[object, int, int, int]:
+def launch_shape(config: StreamConfig, m: int, n: int, k: int, out_dtype: torch.dtype,
+                 device: torch.device) -> tuple[object, int, int, int]:
     """(loaded kernel, CTAs, row capacity, warps) of a layer's calls; compiled and loaded on the first call."""
-    return _launch_shape(config, m, n, k, out_dtype, torch.device(device).index or 0, prep)
+    return _launch_shape(config, m, n, k, out_dtype, torch.device(device).index or 0)
 
 
 @functools.cache
-def _launch_shape(config: StreamConfig, m: int, n: int, k: int, out_dtype: torch.dtype, device_index: int,
-                  prep: int) -> tuple[object, int, int, int]:
-    """(loaded kernel, CTAs, row capacity, warps) of one layer's calls: one wave of the CTAs an SM holds (the
-    registers of the instance on this GPU decide: the prep inside takes more)."""
-    fn = kernel(config, m, k, out_dtype, torch.device("cuda", device_index), prep)
+def _launch_shape(config: StreamConfig, m: int, n: int, k: int, out_dtype: torch.dtype,
+                  device_index: int) -> tuple[object, int, int, int]:
+    # One wave of the CTAs an SM really holds of this instance on this GPU (its registers differ between sm_90
+    # and sm_120): a second, partial wave would undo the row balance.
+    fn = kernel(config, m, k, out_dtype, torch.device("cuda", device_index))
     warps = config.warps(k)
     sms = _sms(device_index)
     _, cap = grid(config, n, k, sms, m)
@@ -166,43 +162,10 @@ def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     if y.numel() != m * n or not y.is_contiguous():
         raise ValueError(f"stream_gemv.gemv: out needs {m} x {n} contiguous elements, got {list(y.shape)}")
     index = packed.device.index or 0
-    fn, ctas, cap, warps = _launch_shape(config, m, n, kw * 16, y.dtype, index, 0)
+    fn, ctas, cap, warps = _launch_shape(config, m, n, kw * 16, y.dtype, index)
     early = (EARLY_LAUNCH if early is None else early) and _capability(index)[0] >= 9
     # early: the kernel may start while the activation prep ahead of it runs (it streams its first codes, then
     # waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
     nvrtc.launch(fn, (ctas, 1, 1), (32 * warps, 1, 1),
-                 [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, packed, packed, 0, y, n, cap],
-                 4 * warps * m * cap, early=early)
-    return y.view(m, n)
-
-
-def fuses_prep(config: StreamConfig, k: int, x: torch.Tensor, rotate: bool, block: int) -> bool:
-    """Whether `gemv_x` takes this call: FUSE_PREP on, bf16 rows of unit stride, two words per thread, and when
-    rotating, blocks of 1024 (one warp each)."""
-    if not (FUSE_PREP and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and config.words == 2):
-        return False
-    return not rotate or (block == 1024 and k % 1024 == 0)
-
-
-def gemv_x(x: torch.Tensor, signs: torch.Tensor | None, packed: torch.Tensor, scales: torch.Tensor,
-           config: StreamConfig, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] = the layer applied to bf16 rows x [M, K] (unit stride along K), one launch: each CTA prepares the
-    activations itself (dp4a.prepare's maths), rotating them first with `signs` [K] (blocks of 1024) unless
-    `signs` is None (x rotated already). `fuses_prep` says where it applies."""
-    n, kw = packed.shape
-    m = x.shape[0]
-    if not 1 <= m <= MAX_ROWS or x.shape[1] != kw * 16 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"stream_gemv.gemv_x: x {x.dtype} {list(x.shape)}; expected bf16 [1..{MAX_ROWS}, "
-                         f"{kw * 16}] with unit stride")
-    if config.words != 2 or (signs is not None and kw % 64):
-        raise ValueError(f"stream_gemv.gemv_x: {config} at K = {kw * 16}: the prep inside needs two words per "
-                         "thread (and, to rotate, whole blocks of 1024 inputs)")
-    y = torch.empty(m, n, dtype=torch.float32, device=packed.device) if out is None else out
-    if y.numel() != m * n or not y.is_contiguous():
-        raise ValueError(f"stream_gemv.gemv_x: out needs {m} x {n} contiguous elements, got {list(y.shape)}")
-    fn, ctas, cap, warps = _launch_shape(config, m, n, kw * 16, y.dtype, packed.device.index or 0,
-                                         1 if signs is None else 2)
-    nvrtc.launch(fn, (ctas, 1, 1), (32 * warps, 1, 1),
-                 [packed, scales, packed, packed, packed, packed, packed, x, packed if signs is None else signs,
-                  x.stride(0), y, n, cap], 4 * warps * m * cap)
+                 [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, n, cap], 4 * warps * m * cap, early=early)
     return y.view(m, n)
