@@ -34,7 +34,7 @@ from bonsai_vllm.ternary.kernels.stream_gemv import StreamConfig
 from bonsai_vllm.ternary.reference import dequantize, signed_block_hadamard
 
 HEAD_SWEEP = [StreamConfig(2, r, pf, ctas) for r in (4, 8) for pf in (False, True) for ctas in (2, 4, 6)]
-ROWS = (1, 2)
+ROWS = (1, 2, 4)  # one user's decode step without and with MTP; two users with MTP (or four without)
 
 # What any one-kernel GEMV on this grid pays before arithmetic: `read_floor` reads a layer's codes and scales with
 # the streaming GEMV's CTAs, rows and words per thread (two words, eight rows of loads in flight) and keeps only an
@@ -98,7 +98,7 @@ def bench_rows(name, k, n, m, rotated, signs, packed, scales, w_ref, tern, tws, 
     act = dp4a.prepare(x)
     want_int = dp4a.gemv_reference(act, packed, scales)
     want = x.float() @ w_ref.t()
-    default = stream_gemv.default_config(n, k, m)
+    default = stream_gemv.default_config(n, k, m) or StreamConfig(2, 4, False, 4)  # four rows: not served yet
     sweep = HEAD_SWEEP if name == "lm_head" else SWEEP
     configs = [default] if quick else list(dict.fromkeys([default, *sweep]))
     ok = {}
@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the default configuration only (no sweep)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--layers", default="", help="comma-separated layer names (default: all six and the LM head)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="batch rows, of 1, 2, 4")
     args = ap.parse_args(argv)
     from bonsai_vllm.ternary.kernels import linear
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         floors = bk.guard(f"{name} floors", time_floors, k, n, tern, copies) or (float("nan"), float("nan"))
         bk.say(f"  {name:8s} read floor {floors[0]:6.2f} µs ({100 * tern_bytes / bw * 1e6 / floors[0]:.0f}% of copy bw), "
                f"launch floor {floors[1]:5.2f} µs")
-        for m in ROWS:
+        for m in (int(v) for v in args.rows.split(",")):
             r = bk.guard(f"{name} M={m}", bench_rows, name, k, n, m, rotated, signs, packed, scales, w_ref,
                          tern, tws, dense, copies, tern_bytes / bw * 1e6, args.quick, failures, linear)
             if r:

@@ -27,7 +27,7 @@ from bonsai_vllm.ternary.kernels.dp4a import GROUP, Dp4aActivations
 
 SOURCE = Path(__file__).with_name("stream_gemv.cu")
 _OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_ROWS = 2  # batch rows one launch takes (the kernel's template takes up to 4; 2 is what is measured)
+MAX_ROWS = 4  # batch rows one launch takes (1, 2 or 4: the per-thread partials fold by halves)
 SHARED_MAX = 48 * 1024  # dynamic shared memory without opting in (sm_90 and sm_120 alike)
 # Launch as a programmatic dependent of the prep kernel by default (benchmarks/stream_gemv.py measures it
 # against an ordinary launch).
@@ -73,8 +73,8 @@ def layer_class(n: int, k: int) -> str:
 def default_config(n: int, k: int, m: int = 1) -> StreamConfig | None:
     """The configuration for m batch rows through a layer of N outputs and K inputs (`_RULES`); None where the
     kernel does not apply (K not whole groups of 128, more than 32 warps' worth of
-    words, m outside 1..MAX_ROWS)."""
-    if k % GROUP or n < 1 or not 1 <= m <= MAX_ROWS:
+    words, a row count without a rule)."""
+    if k % GROUP or n < 1 or m not in _RULES:
         return None
     config = StreamConfig(*_RULES[m][layer_class(n, k)])
     return config if config.warps(k) <= 32 else None
@@ -153,8 +153,8 @@ def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     and later; None: EARLY_LAUNCH)."""
     n, kw = packed.shape
     m = act.rows
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"stream_gemv.gemv: {m} rows; the kernel takes 1 to {MAX_ROWS}")
+    if m not in (1, 2, 4):
+        raise ValueError(f"stream_gemv.gemv: {m} rows; the kernel takes 1, 2 or 4")
     if kw % (GROUP // 16) or config.warps(kw * 16) > 32:
         raise ValueError(f"stream_gemv.gemv: K = {kw * 16} does not fit {config} (whole groups of {GROUP}, at "
                          "most 32 warps)")
