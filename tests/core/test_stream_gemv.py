@@ -60,7 +60,9 @@ def test_grid_grows_when_the_warp_sums_would_not_fit(kern):
 
 def test_outside_the_kernel(kern):
     assert kern.sg.default_config(100, 1000) is None  # K not whole groups of 128
-    assert kern.sg.default_config(5120, 5120, 3) is None  # more rows than the kernel takes
+    assert kern.sg.default_config(5120, 5120, 3) is None  # three rows: the per-thread partials fold by halves
+    # four rows only where the rule measured a gain (the narrow layers)
+    assert [name for name, (k, n) in LAYERS.items() if kern.sg.default_config(n, k, 4)] == ["o_proj", "gdn_out"]
 
 
 def test_route_takes_one_and_two_rows_when_prepared(kern):
@@ -69,8 +71,8 @@ def test_route_takes_one_and_two_rows_when_prepared(kern):
     tw = kern.linear.prepare(packed, torch.ones(n, k // 128, dtype=torch.float16), None, dp4a=False, mma=False,
                              stream=True)
     assert tw.stream is None  # CPU tensors: the CUDA kernel is never prepared
-    tw.stream = tuple(kern.sg.default_config(n, k, r) for r in (1, 2))
-    assert [kern.linear.route(m, tw).path for m in (1, 2, 3)] == ["stream", "stream", "gemv"]
+    tw.stream = tuple(kern.sg.default_config(n, k, r) for r in (1, 2)) + (None, kern.sg.default_config(5120, 3072, 4))
+    assert [kern.linear.route(m, tw).path for m in (1, 2, 3, 4, 5)] == ["stream", "stream", "gemv", "stream", "gemv"]
     assert kern.linear.route(2, tw).config == tw.stream[1]
     assert kern.linear.route(1, tw, triton_ok=False).path == "reference"
 

@@ -57,9 +57,9 @@ GEMV_MAX_M_NO_W8 = 64
 # one row; from two rows (one user's step with MTP on) the tensor-core kernel is faster (H200,
 # benchmarks/mma_gemm.py, docs/benchmarks.md).
 DP4A_MAX_M = 1
-# Batch rows up to which the streaming GEMV (stream_gemv.py) runs when the layer was prepared for it: one user's
-# step, with or without MTP.
-STREAM_MAX_M = 2
+# Batch rows up to which the streaming GEMV (stream_gemv.py) may run when the layer was prepared for it: one
+# user's step, with or without MTP, and four rows on the layers where its rule says so.
+STREAM_MAX_M = 4
 # Batch rows up to which the int8 tensor-core kernel (mma.py) runs on CUDA: on the H200 it beat the routes it
 # replaced at 2-64 rows on every shape (dp4a at 2, `gemv dot` above 16: 1.1-2.4x; docs/benchmarks.md).
 MMA_MAX_M = 64
@@ -82,8 +82,8 @@ class TernaryWeights:
     # the mma kernel's config for 1, 2, ... rows (MMA_MAX_M of them; the route takes it from DP4A_MAX_M + 1
     # rows): prepared on CUDA when BONSAI_MMA_GEMM is on and the shape allows; None: never
     mma: tuple[MmaConfig, ...] | None = None
-    # the streaming GEMV's config for 1, 2, ... rows (prepare's switch; CUDA only; STREAM_MAX_M of them): M <=
-    # len(stream) rows take it; None: never
+    # the streaming GEMV's config for 1, 2, ... rows (prepare's switch; CUDA only; STREAM_MAX_M of them, None
+    # where its rule gives the row count to another route); None: never
     stream: tuple[StreamConfig, ...] | None = None
 
     @property
@@ -158,14 +158,11 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     if stream and packed.is_cuda:
         from bonsai_vllm.ternary.kernels import stream_gemv
 
-        configs = []  # 1, 2, ... rows, up to the first row count the kernel does not take at this shape
-        for rows in range(1, STREAM_MAX_M + 1):
-            config = stream_gemv.default_config(n, k, rows)
-            if config is None:
-                break
-            configs.append(config)
-            stream_gemv.launch_shape(config, rows, n, k, torch.bfloat16, packed.device)  # now, not in a capture
-        tw.stream = tuple(configs) or None
+        configs = tuple(stream_gemv.default_config(n, k, rows) for rows in range(1, STREAM_MAX_M + 1))
+        for rows, config in enumerate(configs, 1):
+            if config is not None:  # compiled and loaded now, not in a capture
+                stream_gemv.launch_shape(config, rows, n, k, torch.bfloat16, packed.device)
+        tw.stream = configs if any(configs) else None
     return tw
 
 
@@ -216,7 +213,7 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
     """The path for m rows (the dispatch rule of the module docstring)."""
     if not triton_ok:
         return Route("reference")
-    if tw.stream is not None and m <= len(tw.stream):
+    if tw.stream is not None and m <= len(tw.stream) and tw.stream[m - 1] is not None:
         return Route("stream", tw.stream[m - 1])
     if tw.dp4a is not None and m <= len(tw.dp4a):
         return Route("dp4a", tw.dp4a[m - 1])
