@@ -1,7 +1,7 @@
 """CUDA C compiled at run time by NVRTC, the runtime compiler that PyTorch's CUDA wheels carry.
 
 The serving image has no nvcc and no CUDA toolkit (CUDA_HOME unset), so a CUDA C kernel of ours
-(ternary/kernels/mma.cu) is compiled when a process first needs it, as Triton compiles its kernels:
+(ternary/kernels/mma.cu, stream_gemv.cu) is compiled when a process first needs it, as Triton compiles its kernels:
 
     cubin, symbol = compile_cuda(source, "my_kernel<4, true>", arch="120")   # host only: any machine
     kernel = load(cubin, symbol, device)                                     # a GPU

@@ -1,4 +1,4 @@
-"""Triton kernels (and one CUDA C kernel, mma.cu) for the hot paths of a prism_ternary layer on NVIDIA GPUs
+"""Triton kernels (and two CUDA C kernels, stream_gemv.cu and mma.cu) for the hot paths of a prism_ternary layer on NVIDIA GPUs
 (H200 sm_90, RTX 50 sm_120).
 
 The PyTorch reference in `ternary.reference` / `ternary.reference` stays the judge: every kernel here sits beside
@@ -21,8 +21,10 @@ Forward (`apply`)::
     y = ternary_linear(x, layer.prism, bias=bias)             # x [..., K] unrotated, K % 1024 == 0
     y = ternary_linear(xr, layer.prism, rotated=True)         # xr = ternary.partition.rotate_partition(...)
 
-    M <= 2 rows          -> rotation + dp4a prep, the dp4a GEMV (dp4a.py)
-    M <= 16 rows, CUDA   -> the same prep, the int8 tensor-core kernel on the codes (mma.py / mma.cu, NVRTC)
+    M <= 2 rows, CUDA    -> rotation + dp4a prep, the streaming GEMV (stream_gemv.py / .cu, NVRTC; 4 rows too
+                            on the narrow layers)
+    M = 1 otherwise      -> the same prep, the dp4a GEMV (dp4a.py)
+    M <= 64 rows, CUDA   -> the same prep, the int8 tensor-core kernel on the codes (mma.py / mma.cu, NVRTC)
     M <= GEMV_MAX_M rows -> block_hadamard + ternary_gemv (codes read once, decoded in registers)
     larger M             -> quantize_per_token (rotation fused) + int8 matmul (int_mm + rescale, or int8_gemm)
     CPU / no Triton      -> the reference maths (float32)
