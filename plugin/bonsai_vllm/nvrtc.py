@@ -17,6 +17,7 @@ kernels here include no headers. Loading and launching go through PyTorch's own 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -31,10 +32,11 @@ def _library() -> ctypes.CDLL:
     return _get_gpu_rtc_library()
 
 
-def compile_cuda(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str]:
+def compile_cuda(source: str, name: str, arch: str, options: tuple[str, ...] = (),
+                 headers: dict[str, str] | None = None) -> tuple[bytes, str]:
     """Compile `source` for sm_`arch` (e.g. "90", "120"): the cubin and the lowered (mangled) symbol of
-    `name`, a kernel or a template instance ("kernel<2, true>"). A compile error raises NvrtcError with
-    NVRTC's log."""
+    `name`, a kernel or a template instance ("kernel<2, true>"). `headers`: include name -> text, for the
+    source's `#include "name"` lines. A compile error raises NvrtcError with NVRTC's log."""
     lib = _library()
     error_string = lib["nvrtcGetErrorString"]  # a fresh function pointer: torch's own stays as it was
     error_string.restype = ctypes.c_char_p
@@ -45,7 +47,11 @@ def compile_cuda(source: str, name: str, arch: str, options: tuple[str, ...] = (
             raise NvrtcError(f"NVRTC {what}: {msg.decode() if msg else code}")
 
     prog = ctypes.c_void_p()
-    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None), "create")
+    headers = headers or {}
+    texts = (ctypes.c_char_p * len(headers))(*(t.encode() for t in headers.values()))
+    names = (ctypes.c_char_p * len(headers))(*(n.encode() for n in headers))
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", len(headers), texts, names),
+          "create")
     try:
         check(lib.nvrtcAddNameExpression(prog, name.encode()), f"name {name!r}")
         opts = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17", *(o.encode() for o in options)]
@@ -132,3 +138,23 @@ def resident_ctas(kernel, threads: int, shared_mem: int = 0) -> int:
     if code:
         raise NvrtcError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {code}")
     return n.value
+
+
+def kernel_source(path) -> tuple[str, dict[str, str]]:
+    """(source, headers) of a CUDA C file beside its folder's common.cuh, for compile_cuda."""
+    from pathlib import Path
+
+    path = Path(path)
+    return path.read_text(), {"common.cuh": path.with_name("common.cuh").read_text()}
+
+
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """The compute capability of a CUDA device (asked once per process)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """The SMs of a CUDA device (asked once per process)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

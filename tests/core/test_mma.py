@@ -157,8 +157,18 @@ def test_nvrtc_compiles_the_served_instances_without_a_gpu(kern, arch):
     for m in (2, 16, 64):
         cfg = kern.mma.default_config(m, 17408, 5120)
         name = kern.mma.template(m, cfg, torch.bfloat16)
-        cubin, symbol = nvrtc.compile_cuda(kern.mma.SOURCE.read_text(), name, arch)
+        source, headers = nvrtc.kernel_source(kern.mma.SOURCE)  # with the common.cuh it includes
+        cubin, symbol = nvrtc.compile_cuda(source, name, arch, headers=headers)
         assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z11ternary_mma"), (name, symbol)
+
+
+def test_nvrtc_headers_resolve_includes():
+    nvrtc = _nvrtc_or_skip()
+    source = '#include "defs.h"\n__global__ void k(int* a) { a[0] = SEVEN; }'
+    cubin, _ = nvrtc.compile_cuda(source, "k", "90", headers={"defs.h": "#define SEVEN 7\n"})
+    assert cubin[:4] == b"\x7fELF"
+    with pytest.raises(nvrtc.NvrtcError, match="defs.h"):  # without the header: the include fails by name
+        nvrtc.compile_cuda(source, "k", "90")
 
 
 def test_nvrtc_says_what_did_not_compile():

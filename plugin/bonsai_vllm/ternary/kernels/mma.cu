@@ -32,16 +32,7 @@
 // tile) adds the partials in slice order, writes y and resets the counter: deterministic, one launch,
 // CUDA-graph safe.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-#define LANES 0x03030303u
-
-__device__ __forceinline__ float half_to_float(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
+#include "common.cuh"  // u32, u16, LANES, half_to_float, store_y
 
 __device__ __forceinline__ void mma_s8(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -58,22 +49,6 @@ __device__ __forceinline__ void mma_s8_from(int (&d)[4], u32 a0, u32 a1, u32 a2,
       "{%10, %11, %10, %11};"
       : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(c0), "r"(c1));
-}
-
-// y's element type: OUT 0 float32, 1 bfloat16, 2 float16.
-template <int OUT>
-__device__ __forceinline__ void store_y(void* y, long i, float v) {
-  if (OUT == 0) {
-    reinterpret_cast<float*>(y)[i] = v;
-  } else if (OUT == 1) {
-    u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    reinterpret_cast<u16*>(y)[i] = h;
-  } else {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    reinterpret_cast<u16*>(y)[i] = h;
-  }
 }
 
 // Calls f(acc, m, n) for each accumulator element of the thread whose batch row m is below M. The element

@@ -136,7 +136,8 @@ def template(rows: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
     """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name. Host only (no GPU
     needed, any thread): make compile-check calls it for sm_90 and sm_120."""
-    return nvrtc.compile_cuda(SOURCE.read_text(), name, capability)
+    source, headers = nvrtc.kernel_source(SOURCE)
+    return nvrtc.compile_cuda(source, name, capability, headers=headers)
 
 
 @functools.cache
@@ -144,20 +145,10 @@ def _load(name: str, capability: str, device_index: int):
     return nvrtc.load(*compile_instance(name, capability), device_index)
 
 
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-@functools.cache
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def kernel(rows: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
     """The loaded instance for `rows` batch rows on `device`'s GPU (compiled once per process)."""
     index = torch.device(device).index or 0
-    major, minor = _capability(index)
+    major, minor = nvrtc.capability(index)
     return _load(template(rows, config, out_dtype), f"{major}{minor}", index)
 
 
@@ -206,8 +197,8 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
         # A grid of fewer than two CTAs per SM, launched while the prep still holds some SMs, ran up to 1.9x
         # slower (qkv, GDN-in at 48-64 rows on the H200: its CTAs doubled up on the free SMs, we think); the
         # larger grids gained 1-6 % (docs/benchmarks.md).
-        early = EARLY_LAUNCH and ctas * splits >= 2 * _sms(index)
-    early = early and _capability(index)[0] >= 9
+        early = EARLY_LAUNCH and ctas * splits >= 2 * nvrtc.sm_count(index)
+    early = early and nvrtc.capability(index)[0] >= 9
     nvrtc.launch(fn, (ctas, splits, 1), (32 * config.warps * config.wm, 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
                   y.stride(0)], early=early)

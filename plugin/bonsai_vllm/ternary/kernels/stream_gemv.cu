@@ -26,21 +26,12 @@
 //   row in warp order and stores y. No K slices, no partial buffers, no atomics: the same input gives the same
 //   bits every call.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-#define LANES 0x03030303u
+#include "common.cuh"  // u32, u16, LANES, half_to_float, store_y
 
 __device__ __forceinline__ int dp4a(u32 a, u32 b, int c) {
   int d;
   asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
-}
-
-__device__ __forceinline__ float half_to_float(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
 }
 
 // C words of codes where `ok` (zeros elsewhere): read once, so they bypass L1 (non-coherent path, no
@@ -75,22 +66,6 @@ __device__ __forceinline__ u16 load_half(const u16* p, bool ok) {
   asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %1, 0;\n mov.b16 %0, 0;\n @q ld.global.nc.u16 %0, [%2];\n}"
                : "=h"(h) : "r"((int)ok), "l"(p));
   return h;
-}
-
-// y's element type: OUT 0 float32, 1 bfloat16, 2 float16.
-template <int OUT>
-__device__ __forceinline__ void store_y(void* y, long i, float v) {
-  if (OUT == 0) {
-    reinterpret_cast<float*>(y)[i] = v;
-  } else if (OUT == 1) {
-    u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    reinterpret_cast<u16*>(y)[i] = h;
-  } else {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    reinterpret_cast<u16*>(y)[i] = h;
-  }
 }
 
 // One tile's loads for this thread: R rows of C code words and the scale of the thread's group in each row.
@@ -130,8 +105,13 @@ __device__ __forceinline__ void load_tile(Tile<C, R>& t, const u32* packed, cons
 // [M, 4, K/16]; gx, gr int32 [M, K/128]; s float32 [M, 2, K/128]), y [M, N] (contiguous), N, and the
 // shared-memory row capacity `cap` (>= the rows of any CTA: ceil(N / gridDim.x)); dynamic shared memory
 // W · M · cap floats.
+template <int KW, int C>
+struct Warps {  // the CTA's warps: KW words of a row, C per thread
+  static constexpr int value = (KW + 32 * C - 1) / (32 * C);
+};
+
 template <int M, int C, int R, int KW, bool PF, int OUT>
-__global__ void __launch_bounds__(32 * ((KW + 32 * C - 1) / (32 * C))) ternary_stream_gemv(const u32* __restrict__ packed,
+__global__ void __launch_bounds__(32 * Warps<KW, C>::value) ternary_stream_gemv(const u32* __restrict__ packed,
                                                             const u16* __restrict__ scales,
                                                             const u32* __restrict__ xa, const u32* __restrict__ xr,
                                                             const int* __restrict__ gx, const int* __restrict__ gr,
@@ -142,7 +122,7 @@ __global__ void __launch_bounds__(32 * ((KW + 32 * C - 1) / (32 * C))) ternary_s
   static_assert(M * R <= 32, "M · R partials per thread at most (one per lane after the butterfly)");
   static_assert(C == 1 || C == 2 || C == 4, "C: 1, 2 or 4 words");
   static_assert(KW % 8 == 0, "K: whole groups of 128 inputs");
-  constexpr int W = (KW + 32 * C - 1) / (32 * C), groups = KW / 8, MR = M * R;
+  constexpr int W = Warps<KW, C>::value, groups = KW / 8, MR = M * R;
   extern __shared__ float warp_sums[];  // [W][M][cap]: warp w's sum of batch row m, output row r0 + i
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int w0 = C * threadIdx.x;  // this thread's first word of each row

@@ -93,7 +93,8 @@ def template(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype) -> st
 @functools.cache
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
     """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name (host only)."""
-    return nvrtc.compile_cuda(SOURCE.read_text(), name, capability)
+    source, headers = nvrtc.kernel_source(SOURCE)
+    return nvrtc.compile_cuda(source, name, capability, headers=headers)
 
 
 @functools.cache
@@ -104,18 +105,8 @@ def _load(name: str, capability: str, device_index: int):
 def kernel(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype, device: torch.device):
     """The loaded instance for m batch rows on `device`'s GPU (compiled once per process)."""
     index = torch.device(device).index or 0
-    major, minor = _capability(index)
+    major, minor = nvrtc.capability(index)
     return _load(template(config, m, k, out_dtype), f"{major}{minor}", index)
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-@functools.cache
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def launch_shape(config: StreamConfig, m: int, n: int, k: int, out_dtype: torch.dtype,
@@ -131,7 +122,7 @@ def _launch_shape(config: StreamConfig, m: int, n: int, k: int, out_dtype: torch
     # and sm_120): a second, partial wave would undo the row balance.
     fn = kernel(config, m, k, out_dtype, torch.device("cuda", device_index))
     warps = config.warps(k)
-    sms = _sms(device_index)
+    sms = nvrtc.sm_count(device_index)
     _, cap = grid(config, n, k, sms, m)
     resident = nvrtc.resident_ctas(fn, 32 * warps, 4 * warps * m * cap)
     ctas, cap = grid(config, n, k, sms, m, resident)
@@ -167,7 +158,7 @@ def gemv(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
         raise ValueError(f"stream_gemv.gemv: out needs {m} x {n} contiguous elements, got {list(y.shape)}")
     index = packed.device.index or 0
     fn, ctas, cap, warps = _launch_shape(config, m, n, kw * 16, y.dtype, index)
-    early = (EARLY_LAUNCH if early is None else early) and _capability(index)[0] >= 9
+    early = (EARLY_LAUNCH if early is None else early) and nvrtc.capability(index)[0] >= 9
     # early: the kernel may start while the activation prep ahead of it runs (it streams its first codes, then
     # waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
     nvrtc.launch(fn, (ctas, 1, 1), (32 * warps, 1, 1),
