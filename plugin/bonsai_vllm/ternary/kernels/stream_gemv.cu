@@ -1,4 +1,4 @@
-// The ternary layer for one or two batch rows (a decode step; with MTP, its token and draft; issue 19):
+// The ternary layer for one, two or four batch rows (a decode step; with MTP, its token and draft; issue 19):
 // y[M, N] = x · W'^T, codes streamed.
 //
 // Compiled at run time by NVRTC (stream_gemv.py), like mma.cu. At one row the layer is a stream of code bytes

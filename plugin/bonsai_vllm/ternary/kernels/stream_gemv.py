@@ -1,5 +1,6 @@
-"""The ternary layer for one or two batch rows in CUDA C, codes streamed past activations held in registers
-(issue 19): `stream_gemv.cu`. Two rows are one user's decode step with MTP on (the token and its draft).
+"""The ternary layer for one, two or four batch rows in CUDA C, codes streamed past activations held in registers
+(issue 19): `stream_gemv.cu`. Two rows are one user's decode step with MTP on (the token and its draft); four
+rows (two users with MTP) only where `_RULES` measured a gain.
 
 Why another one-row kernel: the Triton dp4a GEMV (dp4a.py) issues about as few instructions per weight but runs
 two warps per program at 128 registers, with K slices whose partials meet in a second pass; on the H200 it moved
