@@ -33,9 +33,10 @@ MS = [1, 2, 3, 4, 8, 16, 24, 32, 48, 64]
 SHAPES = bk.SHAPES
 
 
-def sweep(m: int, n: int, k: int, quick: bool) -> list[MmaConfig]:
+def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0) -> list[MmaConfig]:
     """The configurations timed for m rows: the default alone (`quick`), or the sweep the default rule came
-    from (warps and row tiles per CTA, warps along the batch, K slices, stages × groups per stage)."""
+    from (warps and row tiles per CTA, warps along the batch, K slices, stages × groups per stage); with
+    `min_shared`, only the sweep's configurations above that many bytes of shared memory (and the default)."""
     d = mma.default_config(m, n, k)
     if quick:
         return [d] if d is not None else []
@@ -46,7 +47,7 @@ def sweep(m: int, n: int, k: int, quick: bool) -> list[MmaConfig]:
     pipes = ((4, 1), (6, 1), (8, 1), (3, 2), (4, 2), (5, 2), (2, 4), (3, 4))  # (stages, groups per stage)
     cands = [c for c in (MmaConfig(w, r, s, res, st, gps, wm) for w, r, wm in layouts for s in (1, 2, 4, 8)
                          for res in residual for st, gps in pipes)
-             if c.fits(tiles)]
+             if c.fits(tiles) and c.shared_bytes(c.tiles(m)) > min_shared]
     if d is not None and d not in cands:
         cands.append(d)
     return [c for c in cands if n % c.rows_per_cta() == 0 and (k // 128) // c.split >= 2]
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--quick", action="store_true", help="the default configuration only (no sweep)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds of checks and timings, then the table")
+    ap.add_argument("--min-shared", type=int, default=0,
+                    help="sweep only configurations above this many bytes of shared memory (and the default)")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
     from bonsai_vllm.ternary.kernels import linear
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.
     t0 = time.time()
     wanted = {mma.template(m, c, dt): (m, c, dt) for name, k, n in SHAPES for m in ms
-              for c in sweep(m, n, k, args.quick) for dt in (torch.bfloat16, torch.float32)}
+              for c in sweep(m, n, k, args.quick, args.min_shared) for dt in (torch.bfloat16, torch.float32)}
     cap = "".join(map(str, torch.cuda.get_device_capability()))
     with ThreadPoolExecutor(16) as pool:  # NVRTC on the host's cores; the modules load in this thread
         list(pool.map(lambda name: mma.compile_instance(name, cap), sorted(wanted)))
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             want = x.float() @ w_ref.t()
             ok = []
             exact_for = {res: mma.gemm_reference(act, packed, scales, res) for res in (True, False)}
-            for cfg in sweep(m, n, k, args.quick):
+            for cfg in sweep(m, n, k, args.quick, args.min_shared):
                 exact = exact_for[cfg.residual]
                 try:
                     y = mma.gemm(act, packed, scales, cfg, ws, out=torch.full((m, n), float("nan"), device=dev))

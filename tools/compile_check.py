@@ -246,21 +246,22 @@ def dump_cubin(cubin: bytes, *flags: str) -> str:
 def compile_cuda(capability: int) -> list[Compiled]:
     """The CUDA C kernels (ternary/kernels/mma.cu, stream_gemv.cu), which NVRTC compiles at load: every instance the dispatch
     launches at the six layers' shapes (the rows of the mma route, y in bf16 and in float32 for a bias), as a
-    cubin for `capability`; registers, stack (spills) and static shared memory read by Triton's cuobjdump."""
+    cubin for `capability`; registers, stack (spills) and static shared memory read by Triton's cuobjdump, plus
+    the dynamic shared memory each launch asks for (mma's pipeline stages, the stream GEMV's warp sums)."""
     from bonsai_vllm.ternary.kernels import linear, mma, stream_gemv
 
-    instances = {}  # template name -> config (the K split is a launch argument, not part of the instance)
+    instances = {}  # template name -> (config, column tiles) (the K split is a launch argument, not part of it)
     for k, n in LAYERS.values():
         for m in range(linear.DP4A_MAX_M + 1, linear.MMA_MAX_M + 1):
             config = mma.default_config(m, n, k)
             for dt in (torch.bfloat16, torch.float32):
-                instances[mma.template(m, config, dt)] = config
+                instances[mma.template(m, config, dt)] = (config, config.tiles(m))
     out = []
-    for name, config in sorted(instances.items()):
+    for name, (config, tiles) in sorted(instances.items()):
         cubin, _ = mma.compile_instance(name, str(capability))
         m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
         out.append(Compiled("ternary_mma", capability, config.warps * config.wm, config.stages,
-                            int(m.group("shared")), int(m.group("regs")),
+                            int(m.group("shared")) + config.shared_bytes(tiles), int(m.group("regs")),
                             int(m.group("stack")) + int(m.group("local")), name))
     # the one-row streaming GEMV (its shared memory is dynamic: the warp sums of the largest row range, which
     # the RTX 5070's 48 SMs give)

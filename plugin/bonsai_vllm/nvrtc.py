@@ -127,6 +127,26 @@ def launch(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args
         raise NvrtcError(f"cuLaunchKernelEx failed with CUresult {code}")
 
 
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def allow_shared(kernel, shared_mem: int, device_index: int = 0) -> None:
+    """Opt a `load`ed kernel in to `shared_mem` bytes of dynamic shared memory per launch (above the 48 KB a
+    launch gets by default; up to the device's per-block limit: 99 KB on sm_120, 227 KB on the H200)."""
+    limit = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    if shared_mem > limit:
+        raise NvrtcError(f"a launch of {shared_mem} bytes of shared memory; this GPU allows {limit} per block")
+    if hasattr(kernel, "set_shared_memory_config"):  # torch's wrapper: it also lifts its own 48 KB launch check
+        kernel.set_shared_memory_config(shared_mem)
+        return
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    code = _get_gpu_runtime_library().cuFuncSetAttribute(kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                         ctypes.c_int(shared_mem))
+    if code:
+        raise NvrtcError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) failed with CUresult {code}")
+
+
 def resident_ctas(kernel, threads: int, shared_mem: int = 0) -> int:
     """How many CTAs of `threads` threads (and `shared_mem` dynamic shared bytes) of a `load`ed kernel one SM of
     the current device holds at once (the driver's occupancy calculator: registers, shared memory, threads)."""

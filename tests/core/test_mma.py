@@ -78,7 +78,7 @@ def test_default_config_at_the_27bs_shapes(kern):
         cfg = kern.mma.default_config(m, 5120, 5120)
         tiles = cfg.tiles(m)
         assert cfg.residual == (m <= kern.mma.RESIDUAL_MAX_M)
-        # every chosen instance compiles: its column tiles (at most one padded) split over wm warps, in 48 KB
+        # every chosen instance compiles: its column tiles (at most one padded) split over wm warps, in 99 KB
         assert 8 * tiles >= m and tiles - -(-m // 8) <= 1 and tiles % cfg.wm == 0
         assert cfg.fits(tiles) and cfg.shared_bytes(tiles) <= kern.mma.SHARED_MAX
     assert kern.mma.default_config(3, 5120, 5120 + 64) is None  # K not whole scale groups
@@ -106,7 +106,11 @@ def test_shared_bytes_match_the_kernels_layout(kern):
     assert cfg.shared_bytes(1) == 2 * 4 * (64 * 36 + 2 * 8 * 4 * 32 + 4 * 4 * 8 + 64 * 3)
     assert (kern.mma.MmaConfig(4, 1, 1, False, stages=4, gps=1).shared_bytes(8)
             == 4 * 4 * (64 * 8 + 64 * 4 * 8 + 2 * 64 + 64 * 1))
-    assert not kern.mma.MmaConfig(4, 2, 1, False, stages=4, gps=2).fits(8)  # 75 KB: past the static 48 KB
+    # dynamic shared memory up to sm_120's 99 KB per block: three stages of 26 KB fit, four do not
+    assert kern.mma.MmaConfig(4, 2, 1, False, stages=3, gps=2).shared_bytes(8) == 3 * 4 * (128 * 16 + 64 * 4 * 16
+                                                                                           + 2 * 2 * 64 + 128 * 2)
+    assert kern.mma.MmaConfig(4, 2, 1, False, stages=3, gps=2).fits(8)
+    assert not kern.mma.MmaConfig(4, 2, 1, False, stages=4, gps=2).fits(8)
     assert not kern.mma.MmaConfig(4, 1, 1, False, wm=2).fits(3)  # three column tiles do not split over two warps
     assert [kern.mma.MmaConfig(4, 1, 1, False, wm=4).tiles(m) for m in (1, 8, 25, 32, 33, 56, 57, 64)] == [
         4, 4, 4, 4, 8, 8, 8, 8]  # rounded up to whole groups of wm column tiles

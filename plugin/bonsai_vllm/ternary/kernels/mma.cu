@@ -111,6 +111,13 @@ struct alignas(16) u32x4 {
   u32 x, y, z, w;
 };
 
+// The dynamic shared memory this launch was given (%dynamic_smem_size).
+__device__ __forceinline__ u32 dynamic_shared_bytes() {
+  u32 n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
 __device__ __forceinline__ u32 shared_address(const void* p) {
   u32 a;
   asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -176,8 +183,13 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
   static_assert(T % WM == 0, "the batch's column tiles split evenly over WM warps");
   constexpr int TJ = T / WM;            // column tiles of one warp
   constexpr int NT = WARPS * WM * 32;   // threads of the CTA
-  static_assert(sizeof(S) * STAGES <= 48 * 1024, "static shared memory: 48 KB at most");
-  __shared__ S stage[STAGES];
+  // The stages live in dynamic shared memory (mma.py sizes the launch from MmaConfig.shared_bytes and opts the
+  // kernel in above 48 KB): two stages of four groups at 25-64 rows do not fit the 48 KB of static shared
+  // memory. 99 KB is sm_120's limit per block (the H200 allows 227 KB); write_tile's flag is the 16 bytes kept.
+  static_assert(sizeof(S) * STAGES <= 99 * 1024 - 16, "shared memory: 99 KB per block at most (sm_120)");
+  extern __shared__ __align__(16) unsigned char dynamic_shared[];
+  S* stage = reinterpret_cast<S*>(dynamic_shared);
+  if (threadIdx.x == 0 && dynamic_shared_bytes() < sizeof(S) * STAGES) __trap();  // launched with too little
 
   const int G = KW / 8;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

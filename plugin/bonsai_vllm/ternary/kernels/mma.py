@@ -61,7 +61,8 @@ class MmaConfig:
         return 16 * self.rtiles * self.warps
 
     def shared_bytes(self, tiles: int) -> int:
-        """Static shared memory for `tiles` column tiles of 8 batch rows (mma.cu's PipeStage · stages)."""
+        """Dynamic shared memory for `tiles` column tiles of 8 batch rows (mma.cu's PipeStage · stages): the
+        launch's size, which the kernel checks against its own sizeof (it traps on too little)."""
         res = int(self.residual)
         pitch = 8 * self.gps + (4 if self.gps == 4 else 0)  # PipeStage::CWP
         words = (self.rows_per_cta() * pitch + (1 + res) * 8 * tiles * 4 * 8 * self.gps
@@ -72,7 +73,10 @@ class MmaConfig:
         return tiles % self.wm == 0 and self.shared_bytes(tiles) <= SHARED_MAX
 
 
-SHARED_MAX = 48 * 1024  # static shared memory of one CTA (without opting in: sm_90 and sm_120 alike)
+# Dynamic shared memory of one CTA: sm_120's opt-in limit per block (99 KB; the H200's is 227 KB), less the
+# 16 bytes of write_tile's static flag. Above 48 KB the kernel is opted in once at load (nvrtc.allow_shared).
+SHARED_MAX = 99 * 1024 - 16
+SHARED_DEFAULT = 48 * 1024  # what a launch gets without opting in
 # Launch as a programmatic dependent of the prep kernel by default (benchmarks/mma_gemm.py and stream_gemv.py
 # measure it against an ordinary launch).
 EARLY_LAUNCH = True
@@ -141,15 +145,19 @@ def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
 
 
 @functools.cache
-def _load(name: str, capability: str, device_index: int):
-    return nvrtc.load(*compile_instance(name, capability), device_index)
+def _load(name: str, capability: str, device_index: int, shared: int):
+    fn = nvrtc.load(*compile_instance(name, capability), device_index)
+    if shared > SHARED_DEFAULT:
+        nvrtc.allow_shared(fn, shared, device_index)
+    return fn
 
 
 def kernel(rows: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
-    """The loaded instance for `rows` batch rows on `device`'s GPU (compiled once per process)."""
+    """The loaded instance for `rows` batch rows on `device`'s GPU (compiled once per process), opted in to
+    its shared memory."""
     index = torch.device(device).index or 0
     major, minor = nvrtc.capability(index)
-    return _load(template(rows, config, out_dtype), f"{major}{minor}", index)
+    return _load(template(rows, config, out_dtype), f"{major}{minor}", index, config.shared_bytes(config.tiles(rows)))
 
 
 def _slices(groups: int, split: int) -> tuple[int, int]:
@@ -201,7 +209,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     early = early and nvrtc.capability(index)[0] >= 9
     nvrtc.launch(fn, (ctas, splits, 1), (32 * config.warps * config.wm, 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
-                  y.stride(0)], early=early)
+                  y.stride(0)], shared_mem=config.shared_bytes(tiles), early=early)
     return y
 
 
