@@ -63,17 +63,21 @@ def test_residual_and_plain_errors_against_float32(kern):
 def test_default_config_at_the_27bs_shapes(kern):
     ms = (2, 8, 9, 24, 32, 48, 64)
     splits = {name: [kern.mma.default_config(m, n, k).split for m in ms] for name, (k, n) in LAYERS.items()}
-    # the H200 sweep's rule (docs/benchmarks.md): one column tile: the fewest K slices that give >= 384 CTAs
-    # (>= 4 groups each); from two, one slice, except on the deep layer (down_proj: 4-8 slices) and the wide
-    # one at 25-48 rows (gate_up: four slices)
-    assert splits == {"gate_up": [2, 2, 1, 1, 4, 4, 1], "down": [8, 8, 8, 4, 8, 8, 8], "qkv": [4, 4, 1, 1, 1, 1, 1],
+    # the H200 sweeps' rule (docs/benchmarks.md): one column tile: the fewest K slices that give >= 384 CTAs
+    # (>= 4 groups each); from two, one slice, except on the deep layer (down_proj: 4-8 slices but at 33-40 rows)
+    assert splits == {"gate_up": [2, 2, 1, 1, 1, 1, 1], "down": [8, 8, 8, 4, 8, 8, 8], "qkv": [4, 4, 1, 1, 1, 1, 1],
                       "o_proj": [4, 4, 1, 1, 1, 1, 1], "gdn_in": [4, 4, 1, 1, 1, 1, 1],
-                      "gdn_out": [4, 4, 1, 1, 1, 1, 1], "lm_head": [1, 1, 1, 1, 2, 2, 1]}
-    # at six column tiles the wide layers take eight warps on all six column tiles, down three batch warps, the
-    # others two; at eight every warp takes all eight column tiles but down's (two batch warps)
-    assert [(c.warps, c.wm) for c in (kern.mma.default_config(48, n, k) for k, n in LAYERS.values())] == [
-        (8, 1), (4, 3), (4, 2), (4, 2), (4, 2), (4, 2), (8, 1)]
-    assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [1, 2, 1, 1, 1, 1, 1]
+                      "gdn_out": [4, 4, 1, 1, 1, 1, 1], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
+    assert [kern.mma.default_config(40, n, k).split for k, n in LAYERS.values()] == [1] * 7
+    # from 25 rows two stages of four groups (three at 33-40 rows), in dynamic shared memory past 48 KB
+    for m in (25, 32, 41, 48, 49, 64):
+        assert {(c.stages, c.gps) for c in (kern.mma.default_config(m, n, k) for k, n in LAYERS.values())} == {(2, 4)}
+    assert {(c.stages, c.gps) for c in (kern.mma.default_config(40, n, k) for k, n in LAYERS.values())} == {(3, 4), (2, 4)}
+    # at six column tiles the wide layers take one batch warp and two row tiles per warp, the others three batch
+    # warps; at eight the deep layer four batch warps, the others two
+    assert [(c.warps, c.rtiles, c.wm) for c in (kern.mma.default_config(48, n, k) for k, n in LAYERS.values())] == [
+        (4, 2, 1), (4, 1, 3), (4, 1, 3), (4, 1, 3), (4, 1, 3), (4, 1, 3), (4, 2, 1)]
+    assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [2, 4, 2, 2, 2, 2, 2]
     for m in range(1, kern.mma.MAX_ROWS + 1):
         cfg = kern.mma.default_config(m, 5120, 5120)
         tiles = cfg.tiles(m)

@@ -89,19 +89,21 @@ RESIDUAL_MAX_M = 8
 
 # Per column tiles T (8 batch rows each) and layer class: (warps along the output rows, row tiles per warp,
 # stages, groups per stage, warps along the batch, CTAs the K slices aim for, fewest groups of 128 in a slice).
-# From the H200 sweep of the lean-copy kernel (benchmarks/mma_gemm.py, 6 shapes × M = 2-64, docs/benchmarks.md):
-# up to 24 rows two stages of four groups on four warps, and from 9 rows one K slice except on the deep layer
-# (down_proj, 68 groups: 1.05-1.26x faster with 4-8 slices); from 25 rows one-group stages, warps along the batch
-# at 25-48 rows and none at 57-64 (each warp decodes its codes once for all eight column tiles: 1.1-1.3x faster
-# than four batch warps there). The wide layer (gate_up) takes eight warps with four K slices at 25-48 rows
-# (at 41-48 rows within 5 % of two 32-row warps on two batch warps, whose sm_120 build spills 8 bytes). Per row
-# count and class the rule is the sweep's fastest configuration (the classes' other layers within 1 %).
-_OTHER = {1: (4, 1, 2, 4, 1, 384, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 3, 2, 2, 0, 2),
-          5: (4, 1, 4, 1, 2, 0, 2), 6: (4, 1, 4, 1, 2, 0, 2), 7: (4, 1, 4, 1, 1, 0, 2), 8: (4, 1, 4, 1, 1, 0, 2)}
-_WIDE = {**_OTHER, 4: (8, 1, 4, 1, 1, 1056, 6), 5: (8, 1, 4, 1, 1, 1056, 6), 6: (8, 1, 4, 1, 1, 1056, 6)}
-_DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 1056, 6), 3: (4, 1, 2, 4, 1, 1056, 12), 4: (4, 1, 4, 1, 2, 1056, 6),
-         5: (4, 1, 4, 1, 3, 1056, 6), 6: (4, 1, 4, 1, 3, 1056, 6), 7: (4, 1, 4, 1, 2, 1056, 6),
-         8: (4, 1, 4, 1, 2, 1056, 6)}
+# From the H200 sweeps (benchmarks/mma_gemm.py, 6 shapes, docs/benchmarks.md). Up to 24 rows (the lean-copy
+# kernel's sweep, static shared memory): two stages of four groups on four warps, and from 9 rows one K slice
+# except on the deep layer (down_proj, 68 groups: 1.05-1.26x faster with 4-8 slices). From 25 rows (the sweep of
+# the configurations past the static 48 KB, eleventh session): still two stages of four groups, now in up to 99 KB
+# of dynamic shared memory, 1.06-1.49x faster than the one-group stages before; warps along the batch on all but
+# the wide layer (gate_up, whose CTAs are many enough: one batch warp, two 16-row tiles per warp at 41-48 rows),
+# and three stages at 33-40 rows (five column tiles, no batch split). At 25-32 rows the other layers take two
+# batch warps, within 0.5 % of four, whose sm_120 build spills 8 bytes. Per row count and class the rule is the
+# sweep's fastest configuration (the classes' other layers within 1 %).
+_OTHER = {1: (4, 1, 2, 4, 1, 384, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 2, 4, 2, 0, 2),
+          5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
+_WIDE = {**_OTHER, 4: (4, 1, 2, 4, 1, 0, 2), 5: (4, 1, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 1, 0, 2)}
+_DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 1056, 6), 3: (4, 1, 2, 4, 1, 1056, 12), 4: (4, 1, 2, 4, 2, 1056, 6),
+         5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 1056, 6), 7: (4, 1, 2, 4, 4, 1056, 6),
+         8: (4, 1, 2, 4, 4, 1056, 6)}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
 DEEP_GROUPS = 64  # groups of 128 inputs from which a layer is "deep" (down_proj's 68 per rank)
 
