@@ -39,6 +39,28 @@ import torch
 # Per-block shared memory a kernel may use (opt-in maximum) and registers per SM.
 SHARED_LIMIT = {90: 227 * 1024, 120: 99 * 1024}
 REGISTERS_PER_SM = 64 * 1024
+# Per SM, for how many CTAs of a kernel one SM holds at once (CUDA C programming guide, compute capabilities
+# 9.0 and 12.0): shared memory (the driver keeps 1 KB per CTA of it) and threads. The CTA-count limit (24-32) never
+# binds for kernels of 64 threads and more, so it is left out.
+SHARED_PER_SM = {90: 228 * 1024, 120: 100 * 1024}
+THREADS_PER_SM = {90: 2048, 120: 1536}
+SHARED_RESERVED = 1024
+
+
+def ctas_per_sm(target: int, threads: int, registers: int, shared: int) -> int:
+    """CTAs of `threads` threads, `registers` per thread and `shared` bytes of shared memory (static + dynamic)
+    that one SM of sm_<target> holds at once: registers are allocated per warp in units of 256, shared memory in
+    units of 128 bytes."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = (REGISTERS_PER_SM // per_warp) // warps if per_warp else 1 << 30
+    by_shared = SHARED_PER_SM[target] // (-(-shared // 128) * 128 + SHARED_RESERVED)
+    return max(0, min(by_registers, by_shared, THREADS_PER_SM[target] // threads))
+
+
+def shared_for_ctas(target: int, ctas: int) -> int:
+    """The shared memory per CTA (static + dynamic) at which one SM of sm_<target> holds at most `ctas` CTAs."""
+    return min(SHARED_LIMIT[target], (SHARED_PER_SM[target] // ctas - SHARED_RESERVED) // 128 * 128)
 LAYERS = {  # per-rank TP=2 shapes (K -> N), as bench_kernels times them
     "gate_up": (5120, 17408), "down": (8704, 5120), "qkv": (5120, 7168), "o_proj": (3072, 5120),
     "gdn_in": (5120, 8192), "gdn_out": (3072, 5120)}

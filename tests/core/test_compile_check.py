@@ -21,7 +21,7 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed: nothing to compile", allow_module_level=True)
 
-from tools.compile_check import SHARED_LIMIT, Compiled  # noqa: E402
+from tools.compile_check import SHARED_LIMIT, Compiled, ctas_per_sm, shared_for_ctas  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "plugin" / "bonsai_vllm"  # only dispatched kernels (measured-only variants are in benchmarks/)
@@ -71,3 +71,18 @@ def test_limits_catch_an_oversized_launch():
     assert not big.fits
     assert Compiled("k", 90, 4, 3, big.shared, 128, 0, "").fits  # the same kernel fits the H200
     assert not Compiled("k", 90, 16, 3, 1024, registers=200, spill_bytes=0, constexprs="").fits  # 512 threads × 200
+
+
+def test_ctas_per_sm_follows_the_scarcest_resource():
+    # registers: 64 per thread is 2,048 per warp, 32 warps per SM, four CTAs of eight warps (threads allow six
+    # on sm_120, eight on the H200)
+    assert ctas_per_sm(120, 256, 64, 0) == ctas_per_sm(90, 256, 64, 0) == 4
+    # 105 registers round up to 112 per thread (3,584 per warp): 18 warps, four CTAs of four warps; 72 KB of
+    # shared memory (+ 1 KB the driver keeps) allows three on the H200's 228 KB, one on sm_120's 100 KB
+    assert ctas_per_sm(90, 128, 105, 72 * 1024) == 3
+    assert ctas_per_sm(120, 128, 105, 72 * 1024) == 1
+    assert ctas_per_sm(120, 512, 32, 0) == 3  # threads: 1,536 per SM on sm_120
+    # the padding bench-mma --rtx-occupancy launches with holds exactly that many CTAs
+    for target in (90, 120):
+        for n in range(1, 7):
+            assert ctas_per_sm(target, 64, 32, shared_for_ctas(target, n)) == n

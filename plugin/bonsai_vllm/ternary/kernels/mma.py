@@ -154,12 +154,13 @@ def _load(name: str, capability: str, device_index: int, shared: int):
     return fn
 
 
-def kernel(rows: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device):
+def kernel(rows: int, config: MmaConfig, out_dtype: torch.dtype, device: torch.device, shared_mem: int | None = None):
     """The loaded instance for `rows` batch rows on `device`'s GPU (compiled once per process), opted in to
-    its shared memory."""
+    its shared memory (or to `shared_mem` bytes, for a padded launch)."""
     index = torch.device(device).index or 0
     major, minor = nvrtc.capability(index)
-    return _load(template(rows, config, out_dtype), f"{major}{minor}", index, config.shared_bytes(config.tiles(rows)))
+    shared = config.shared_bytes(config.tiles(rows)) if shared_mem is None else shared_mem
+    return _load(template(rows, config, out_dtype), f"{major}{minor}", index, shared)
 
 
 def _slices(groups: int, split: int) -> tuple[int, int]:
@@ -178,12 +179,14 @@ def reserve(device: torch.device | str, n: int, k: int, config: MmaConfig, rows:
 
 
 def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: MmaConfig, workspace,
-         out: torch.Tensor | None = None, early: bool | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, early: bool | None = None, shared_mem: int | None = None) -> torch.Tensor:
     """y [M, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales fp16
     [N, K/128]) applied to the M rows of `act` (1 <= M <= 64); `out` may be any [M, N] view with unit stride
     along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls). `early`:
     launched as a programmatic dependent of the kernel ahead of it (nvrtc.launch; sm_90 and later; None:
-    EARLY_LAUNCH where the grid has at least two CTAs per SM)."""
+    EARLY_LAUNCH where the grid has at least two CTAs per SM). `shared_mem`: launch with that many bytes of
+    shared memory instead of the stages' own (at least those; benchmarks/mma_gemm.py pads CTAs so that the H200
+    holds as many per SM as the RTX card would)."""
     n, kw = packed.shape
     m = act.rows
     if not 1 <= m <= MAX_ROWS:
@@ -199,7 +202,11 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     per, splits = _slices(kw // 8, config.split)
     ctas = n // config.rows_per_cta()
     partials, counters = workspace.get(splits * m * n if splits > 1 else 1, ctas)
-    fn = kernel(m, config, y.dtype, packed.device)
+    need = config.shared_bytes(tiles)
+    if shared_mem is not None and shared_mem < need:
+        raise ValueError(f"mma.gemm: shared_mem = {shared_mem} bytes; {config} at {m} rows needs {need}")
+    shared = need if shared_mem is None else shared_mem
+    fn = kernel(m, config, y.dtype, packed.device, shared)
     # early: the kernel may start while the activation prep ahead of it runs (it copies its first stages'
     # weights, then waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
     index = packed.device.index or 0
@@ -211,7 +218,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     early = early and nvrtc.capability(index)[0] >= 9
     nvrtc.launch(fn, (ctas, splits, 1), (32 * config.warps * config.wm, 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
-                  y.stride(0)], shared_mem=config.shared_bytes(tiles), early=early)
+                  y.stride(0)], shared_mem=shared, early=early)
     return y
 
 
