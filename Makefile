@@ -39,7 +39,7 @@ SERVER_PORT ?= $(or $(call dotenv,SERVER_PORT),8000)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-stream bench-layers bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
+.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-stream bench-layers bench-prefill bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui \
 	server upstream-key lan-server lan-server-remove bench-scale-out mtp-collect mtp-extract mtp-train
 
@@ -263,6 +263,9 @@ bench-mma: ## the 2-64-row int8 tensor-core kernel (mma.cu): its config sweep ch
 
 bench-stream: ## the 1-4-row streaming GEMV (stream_gemv.cu): its config sweep checked, then timed against a read floor, the routes before it and bf16 (CUDA GPU; BENCH_ARGS=--quick: the defaults only)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.stream_gemv --out .cache/bench-stream $(BENCH_ARGS)
+
+bench-prefill: ## prefill chunks (64-4096 rows) without W8: the GEMM decoding the codes (int8mm.codes_gemm, its tile sweep checked first) against W8 expanded per call, W8 kept and bf16 (CUDA GPU; BENCH_ARGS=--quick: the default only)
+	PYTHONPATH=plugin $(PYTHON) -m benchmarks.prefill --out .cache/bench-prefill $(BENCH_ARGS)
 
 bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) at the 27B's shapes (CUDA GPU)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.kv --out .cache/bench-kv $(BENCH_ARGS)

@@ -7,7 +7,9 @@
     kv.py       make bench-kv: K3V2 store / decode / prefill kernels
     gemv_variants.py  the multi-row GEMV `rows` that decode.py times and the served dispatch never launches
                 (the package's kernel files hold only what it does)
-    codes_gemm.py  issue 19's candidate: int8 GEMM decoding the codes itself (no W8); measured slower
+    codes_gemm.py  issue 19's int8 GEMM decoding the codes itself (no W8; now int8mm.codes_gemm) at M = 2-64
+    prefill.py  make bench-prefill: that GEMM at prefill sizes (M = 64-4096, its tile sweep) against W8 expanded per
+                call (today's no-W8 route), W8 kept at load and bf16; the target is 1.3× the W8-kept route
     dp4a_gemv.py   issue 19's candidate, ternary.kernels.dp4a (M = 1 on dp4a, int8 activations + residual, prep
                 on the device, deterministic split-K): checks and times it; 1.15-1.55× the served GEMV prep included
     mma_gemm.py    make bench-mma: issue 19's 2-64-row kernel, ternary.kernels.mma (int8 mma.sync on codes decoded

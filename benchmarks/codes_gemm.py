@@ -1,21 +1,26 @@
-"""A candidate for issue 19, not dispatched: the int8 GEMM that decodes the 2-bit codes itself (no W8).
+"""Issue 19's int8 GEMM that decodes the 2-bit codes itself (no W8), at decode sizes M = 2 … 64.
 
     PYTHONPATH=plugin python -m benchmarks.codes_gemm [--out DIR] [--budget SECONDS]
 
-On the 12 GB cards W8 (int8 weights, 4× the codes) does not fit, so at M = 2 … 64 rows every step runs
+The kernel is the plugin's `int8mm.codes_gemm` (since issue 19's prefill route: M > 64 rows without W8, behind
+BONSAI_CODES_GEMM; `make bench-prefill` measures it there, benchmarks/prefill.py); this benchmark keeps its
+M <= 64 table with small tiles (BK = 128, one scale group per K step).
+
+On the 12 GB cards W8 (int8 weights, 4× the codes) does not fit, so at M = 2 … 64 rows every step ran
 the tensor-core GEMV `dot` straight from the codes, at 0.6–0.9× bf16 cuBLAS (docs/benchmarks.md). The
 W8-kept int8 GEMM is 1.7–2.3× faster at 16 rows. This kernel is that GEMM with its B operand made in
-registers from the codes: per K tile of BK = 128 (one scale group) it loads the words [BN, 8] and the int8
-group scale q [BN] (ternary.reference.int8_decompose), makes W8 = code · q [BN, 128] and feeds the int8
-product; the activations are the per-token int8 of the rotated x (hadamard.quantize_per_token). The sums
-are exact int32, so it must equal the W8 route to rounding of the final float32 rescale.
+registers from the codes: per K tile it loads the words [BN, BK/16] and the int8 group scale q
+(ternary.reference.int8_decompose), makes W8 = code · q and feeds the int8 product; the activations are the
+per-token int8 of the rotated x (hadamard.quantize_per_token). The sums are exact int32, so it must equal
+the W8 route to rounding of the final float32 rescale.
 
 Prediction (gate_up 5120→17408, M = 16): the codes are 5.6 µs of bytes; the W8 GEMM takes 27.6 µs with
 4× those bytes from L2-missing memory, so it is not bandwidth-bound either; decoding adds ~4 integer
 operations per weight per program, amortized over BM rows. Expect 25–40 µs against 62 µs (`dot`) and
-47 µs (bf16 cuBLAS). Measured on the H200 (2026-12-01, docs/benchmarks.md): 88 µs — the decode and the
-re-layout for the operand sit in series with a small product in every K step. Kept as the measured
-baseline for a decode written into the MMA operand registers directly.
+47 µs (bf16 cuBLAS). Measured on the H200 (2026-12-01, docs/benchmarks.md) with the first decode (one code
+per thread, re-laid out through shared memory): 88 µs — the decode and the re-layout for the operand sit in
+series with a small product in every K step. The plugin's kernel decodes four weights per integer operation
+into each thread's own registers (int8mm._word_weights); not measured here since.
 
 One run: checks each configuration against the W8 route (torch) at every shape first, then times ours,
 the served route without W8 (`ternary_linear`, W8 not kept), the served route with W8 kept, and bf16
@@ -27,86 +32,27 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import kernels as bk
+from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig
 from bonsai_vllm.ternary.reference import dequantize, int8_decompose
-from bonsai_vllm.triton_runtime import require, tl, triton
 
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["M"])
-    def _codes_gemm_kernel(a_ptr, w_ptr, q_ptr, ts_ptr, rs_ptr, c_ptr, M, N, K, stride_a, stride_c,
-                           BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-        # grid: (cdiv(M, BM) · cdiv(N, BN),), grouped order as in int8mm._int8_gemm_kernel. BK = 128: one
-        # scale group per K tile, so the group scale is one int8 per row of the tile.
-        BK: tl.constexpr = 128
-        WPT: tl.constexpr = BK // 16  # words per row per K tile
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = pid // (GROUP_M * num_n)
-        first_m = group * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-        pid_n = (pid % (GROUP_M * num_n)) // size_m
-        rm = (pid_m * BM + tl.arange(0, BM)) % M  # wrap instead of masking the loads; stores are masked
-        rn = (pid_n * BN + tl.arange(0, BN)) % N
-        rk = tl.arange(0, BK)
-        rw = tl.arange(0, WPT)
-        sh = 2 * tl.arange(0, 16)
-        KW = K // 16
-        G = K // 128
-        acc = tl.zeros([BM, BN], dtype=tl.int32)
-        for t in range(0, G):
-            a = tl.load(a_ptr + rm[:, None] * stride_a + t * BK + rk[None, :])  # [BM, BK] int8
-            p = tl.load(w_ptr + rn[:, None] * KW + t * WPT + rw[None, :])  # [BN, WPT] int32
-            q = tl.load(q_ptr + rn * G + t).to(tl.int32)  # [BN]
-            code = ((p[:, :, None] >> sh[None, None, :]) & 3) - 1  # [BN, WPT, 16], input 16w + i
-            w8 = tl.reshape((code * q[:, None, None]).to(tl.int8), (BN, BK))
-            acc = tl.dot(a, tl.trans(w8), acc, out_dtype=tl.int32)
-        y = acc.to(tl.float32) * tl.load(ts_ptr + rm)[:, None] * tl.load(rs_ptr + rn)[None, :]
-        om = pid_m * BM + tl.arange(0, BM)
-        on = pid_n * BN + tl.arange(0, BN)
-        tl.store(c_ptr + om[:, None] * stride_c + on[None, :], y.to(c_ptr.dtype.element_ty),
-                 mask=(om < M)[:, None] & (on < N)[None, :])
-
-
-@dataclass(frozen=True)
-class CodesGemmConfig:
-    bm: int  # rows of x per program (>= 16: the int8 product's smallest M)
-    bn: int  # output columns per program
-    group_m: int  # row tiles that share each weight tile in L2 (grouped order)
-    warps: int
-    stages: int
-
-    def __str__(self) -> str:
-        return f"bm={self.bm} bn={self.bn} group_m={self.group_m} warps={self.warps} stages={self.stages}"
-
-
-CONFIGS = [CodesGemmConfig(bm, bn, 1, w, s) for bm in (16, 32, 64) for bn in (32, 64, 128)
+# bk = 128: one scale group per K step, as the first version of the kernel had it fixed
+CONFIGS = [Int8GemmConfig(bm, bn, 128, 1, w, s, backend="codes") for bm in (16, 32, 64) for bn in (32, 64, 128)
            for w in (4, 8) for s in (3, 4) if not (bn == 32 and w == 8)]
 
 
 def codes_gemm(xq: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, ts: torch.Tensor, rs: torch.Tensor,
-               config: CodesGemmConfig, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] bf16 = (xq [M, K] int8 · W8ᵀ) · ts[m] · rs[n], W8 = code · q made in the kernel from
-    packed int32 [N, K/16] and q int8 [N, K/128]."""
-    require()
-    m, k = xq.shape
-    n = packed.shape[0]
-    if k % 128:
-        raise ValueError(f"codes_gemm: K = {k} is not a multiple of 128")
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device) if out is None else out
-    c = config
-    grid = (triton.cdiv(m, c.bm) * triton.cdiv(n, c.bn),)
-    _codes_gemm_kernel[grid](xq, packed, q, ts, rs, y, m, n, k, xq.stride(0), y.stride(0),
-                             BM=c.bm, BN=c.bn, GROUP_M=c.group_m, num_warps=c.warps, num_stages=c.stages)
-    return y
+               config: Int8GemmConfig, out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] bf16: the plugin's int8mm.codes_gemm at `config`, no bias."""
+    from bonsai_vllm.ternary.kernels import int8mm
+
+    return int8mm.codes_gemm(xq, packed, q, ts, rs, None, torch.bfloat16, out=out, config=config)
 
 
 def reference(xq, packed, scales, ts) -> torch.Tensor:
@@ -199,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['layer']} | {r['M']} | {r['ours_us']:.1f} | {r['served_no_w8_us']:.1f} | "
                      f"{r['served_no_w8_us'] / r['ours_us']:.2f} | {r['bf16_us']:.1f} | {r['bf16_us'] / r['ours_us']:.2f} | "
-                     f"{r['served_w8_us']:.1f} | {r['floor_us']:.1f} | {CodesGemmConfig(**r['config'])} | "
+                     f"{r['served_w8_us']:.1f} | {r['floor_us']:.1f} | {Int8GemmConfig(**r['config'])} | "
                      f"{r['judge_err']:.1e} |")
     return bk.report(Path(args.out), "codes-gemm", {"rows": rows}, lines, failures)
 

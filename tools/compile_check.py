@@ -170,7 +170,7 @@ def compile_only(capability: int, results: list[Compiled], cubins: dict | None =
 
 def drive_ternary() -> None:
     """ternary_linear for every layer and dispatch class: rotation (with the dp4a prep at M = 1), GEMVs,
-    quantization, int8 GEMM, W8 expansion."""
+    quantization, int8 GEMM, W8 expansion, the codes-decoding GEMM."""
     from bonsai_vllm.ternary.kernels.int8mm import default_config, rescale
     from bonsai_vllm.ternary.kernels.linear import prepare, ternary_linear
 
@@ -186,6 +186,11 @@ def drive_ternary() -> None:
                 ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
                 if default_config(m, n, k).backend == "int_mm":  # on a GPU: cuBLAS _int_mm, then our rescale
                     rescale(torch.zeros(m, n, dtype=torch.int32), torch.ones(m), torch.ones(n))
+        # without W8, prefill rows through the GEMM decoding the codes in its K loop (BONSAI_CODES_GEMM): both
+        # of codes_default_config's prefill tiles
+        tw = prepare(packed, scales, None if rotated else signs, codes=True)
+        for m in (128, 512):
+            ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
         # the dp4a route's rows on the fma GEMV as well (BONSAI_DP4A_GEMV=0; the default above took dp4a)
         tw = prepare(packed, scales, None if rotated else signs, dp4a=False)
         for m in (1, 2):

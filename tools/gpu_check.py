@@ -22,7 +22,9 @@ SEQS · (1 + MTP) = 48 rows, and prefill chunks up to MAX_BATCHED_TOKENS = 2048;
 to MAX_MODEL_LEN = 131072, mixed lengths in one batch, blocks in a shuffled order. Every case draws fresh
 random inputs; outputs are poisoned (NaN) first where the entry point takes an `out`, and the allocator's
 free memory is poisoned before the others, so an element never written fails the check. The "route"
-column is the dispatch decision the entry point took (kernel and configuration).
+column is the dispatch decision the entry point took (kernel and configuration). Switches are read as the
+server reads them: `BONSAI_CODES_GEMM=1 make gpu-check` sends the prefill rows without W8 through the GEMM
+that decodes the codes itself ("int8 codes …" routes) instead of the per-call expansion.
 
 `--smoke` runs the same code at toy sizes on the CPU through Triton's interpreter (tests/core), which keeps
 this script from rotting; only the GPU run at the real sizes counts (docs/benchmarks.md has the last one).

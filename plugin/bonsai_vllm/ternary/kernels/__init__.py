@@ -26,7 +26,9 @@ Forward (`apply`)::
     M = 1 otherwise      -> the same prep, the dp4a GEMV (dp4a.py)
     M <= 64 rows, CUDA   -> the same prep, the int8 tensor-core kernel on the codes (mma.py / mma.cu, NVRTC)
     M <= GEMV_MAX_M rows -> block_hadamard + ternary_gemv (codes read once, decoded in registers)
-    larger M             -> quantize_per_token (rotation fused) + int8 matmul (int_mm + rescale, or int8_gemm)
+    larger M             -> quantize_per_token (rotation fused) + int8 matmul (int_mm + rescale, or int8_gemm);
+                            W8 not kept: expand_int8 per call first, or with BONSAI_CODES_GEMM (off by
+                            default) codes_gemm, which decodes W8 in its K loop
     CPU / no Triton      -> the reference maths (float32)
     (linear.py's docstring has the exact rule and the switches)
 
@@ -35,7 +37,8 @@ Building blocks (all take `out=` so callers and tests can pass preallocated / po
 - `block_hadamard(x, signs, block=1024)`: H(s ⊙ x) per block (256/512/1024) -> x's dtype.
 - `quantize_per_token(x, signs=None)`: (int8 [M, K], float32 scale [M]); rotates first when given signs.
 - `ternary_gemv(xr, packed, scales, bias=None)`: decode GEMV on rotated input.
-- `expand_int8(packed, q)`, `int8_gemm(...)`, `int_mm_linear(...)`, `rescale(...)`: the prefill pieces.
+- `expand_int8(packed, q)`, `int8_gemm(...)`, `int_mm_linear(...)`, `rescale(...)`, `codes_gemm(...)`: the
+  prefill pieces.
 
 The int8 all-reduce's kernels are `bonsai_vllm.comm.kernels`.
 """
@@ -47,11 +50,12 @@ from bonsai_vllm.ternary.kernels.linear import GEMV_MAX_M, TernaryWeights, prepa
 
 __all__ = ["GEMV_MAX_M", "TernaryWeights", "prepare", "ternary_linear", "interpreting", "usable",
            "block_hadamard", "quantize_per_token", "ternary_gemv", "expand_int8", "int8_gemm", "int_mm_linear",
-           "rescale"]
+           "rescale", "codes_gemm"]
 
 _LAZY = {
     "block_hadamard": "hadamard", "quantize_per_token": "hadamard", "ternary_gemv": "gemv",
     "expand_int8": "int8mm", "int8_gemm": "int8mm", "int_mm_linear": "int8mm", "rescale": "int8mm",
+    "codes_gemm": "int8mm",
 }
 
 

@@ -15,6 +15,10 @@ call into a scratch buffer (`expand_int8`: reads 2.125 bits, writes 8 bits per w
   row-major second operand runs 6-7× slower), then `rescale` (one Triton pass over the int32 result).
 - `triton`: `int8_gemm`, a Triton int8 tensor-core GEMM with the rescale fused into its epilogue (no int32
   round trip through memory).
+
+Without W8 a third way skips the per-call expansion (issue 19): `codes_gemm` (backend "codes"; linear.py
+takes it when BONSAI_CODES_GEMM is on) is `int8_gemm` with its B operand made in the K loop from the packed
+codes and q, the same W8 values expand_int8 writes, hence the same int32 sums and the same fused rescale.
 """
 
 from __future__ import annotations
@@ -88,6 +92,81 @@ if triton is not None:
         tl.store(c_ptr + om[:, None] * stride_c + on[None, :], y.to(c_ptr.dtype.element_ty),
                  mask=(om < M)[:, None] & (on < N)[None, :])
 
+    @triton.jit
+    def _word_weights(p, q):
+        """The 16 int8 weights (code - 1) · q of each word of p int32 [BN, W] (q int32 [BN, W]: each word's group
+        scale) as [BN, W, 2, 2, 2, 2], element [n, w, a, b, c, d] = weight 8a + 4b + 2c + d of word w: input
+        order once the last five dimensions are merged.
+
+        Byte-parallel: an int32 lane j holds weights 4j … 4j + 3, one per byte, so each operation does four.
+        - x = p >> 8j has codes 4j … 4j + 3 in its low byte; x & 0x33 (codes 0 and 2) times 0x1001 and x & 0xCC
+          (codes 1 and 3) times 0x40040 move code i to bits 8i, 8i + 1 (within each product the shifted copies
+          share no bit, so nothing carries), and the mask 0x03030303 drops the rest;
+        - per byte, code 2 (+1) has bit 1 set and code 0 (-1) neither bit: hi = 1 where +1, lo = 1 where -1,
+          and hi · (q & 255) + lo · (-q & 255) puts q, 0 or -q in each byte (0 or 1 times a byte: no carries).
+          The unused code 0b11 would give +q (format.check_module_tensors rejects it at load).
+        The bytes are taken apart and everything assembled with tl.join, whose new axes stay inside the thread:
+        a thread decodes whole words into contiguous registers, and the compiler folds the byte extraction
+        away (no PRMT left on sm_90). A [BN, W, 16] broadcast decoding one code per element instead got one
+        code per thread and a round trip through shared memory to regroup them: 440 instructions per K step of
+        the 128 × 128 × 64 tile, 8 warps, against 186 this way (SASS, sm_90)."""
+        x = tl.join(tl.join(p, p >> 16), tl.join(p >> 8, p >> 24))  # [..., W, 2, 2]: lane j = 2a + b, x = p >> 8j
+        c = (((x & 0x33) * 0x1001) | ((x & 0xCC) * 0x40040)) & 0x03030303  # byte i: code 4j + i
+        hi = (c >> 1) & 0x01010101
+        lo = ~(c | (c >> 1)) & 0x01010101
+        qb = q[:, :, None, None]
+        r = hi * (qb & 0xFF) + lo * (-qb & 0xFF)  # byte i: weight 4j + i as int8
+        return tl.join(tl.join(r.to(tl.int8), (r >> 16).to(tl.int8)), tl.join((r >> 8).to(tl.int8),
+                                                                            (r >> 24).to(tl.int8)))
+
+    @triton.jit(do_not_specialize=["M"])
+    def _codes_gemm_kernel(a_ptr, w_ptr, q_ptr, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, K, stride_a, stride_w,
+                           stride_q, stride_c, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, Q32: tl.constexpr):
+        # _int8_gemm_kernel with B made in registers: per K step the words [BN, BK/16] and the int8 group
+        # scale q of that step's scale group (BK divides 128, so a step never straddles two groups) give the
+        # W8 tile (_word_weights), which goes to the int8 dot as it would have come from memory. A program
+        # decodes its [BN, K] codes once, for all BM rows of its tile: the decode (~3 integer instructions per
+        # weight on sm_90) per product term falls as 1/BM, which is why this wants a prefill chunk's big tiles.
+        WPT: tl.constexpr = BK // 16  # words per weight row per K step
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        group = pid // (GROUP_M * num_n)  # grouped order: GROUP_M row tiles share each weight tile in L2
+        first_m = group * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+        pid_n = (pid % (GROUP_M * num_n)) // size_m
+        rm = (pid_m * BM + tl.arange(0, BM)) % M  # wrap instead of masking the loads; stores are masked
+        rn = (pid_n * BN + tl.arange(0, BN)) % N
+        rk = tl.arange(0, BK)
+        a_ptrs = a_ptr + rm[:, None] * stride_a + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None] * stride_w + tl.arange(0, WPT)[None, :]  # [BN, WPT]
+        # q in the words' [BN, WPT] layout (one group per step: the same value along a row): the decode's own
+        # layout. Q32: q read as int32 words of four groups' scales (stride_q in words), since a load narrower
+        # than 4 bytes is not software-pipelined (cp.async copies 4, 8 or 16) and would stall every step.
+        q_ptrs = tl.broadcast_to(q_ptr + rn[:, None] * stride_q, (BN, WPT))
+        acc = tl.zeros([BM, BN], dtype=tl.int32)
+        for t in range(0, K // BK):
+            a = tl.load(a_ptrs)  # [BM, BK] int8
+            p = tl.load(w_ptrs)  # [BN, WPT] int32
+            g = (t * BK) // 128  # this step's scale group
+            if Q32:
+                q = (tl.load(q_ptrs + g // 4) << (24 - 8 * (g % 4))) >> 24  # byte g % 4, sign-extended
+            else:
+                q = tl.load(q_ptrs + g).to(tl.int32)  # [BN, WPT]
+            w8 = tl.reshape(_word_weights(p, q), (BN, BK))
+            acc = tl.dot(a, tl.trans(w8), acc, out_dtype=tl.int32)
+            a_ptrs += BK
+            w_ptrs += WPT
+        y = acc.to(tl.float32) * tl.load(ts_ptr + rm)[:, None] * tl.load(rs_ptr + rn)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+        om = pid_m * BM + tl.arange(0, BM)
+        on = pid_n * BN + tl.arange(0, BN)
+        tl.store(c_ptr + om[:, None] * stride_c + on[None, :], y.to(c_ptr.dtype.element_ty),
+                 mask=(om < M)[:, None] & (on < N)[None, :])
+
 
 @dataclass(frozen=True)
 class Int8GemmConfig:
@@ -100,7 +179,8 @@ class Int8GemmConfig:
     warps: int  # num_warps
     stages: int  # num_stages
     backend: str = "triton"  # "triton": int8_gemm (rescale fused); "int_mm": torch._int_mm (cuBLAS) + rescale,
-    # where the tile above is what int8_gemm runs in its place when cuBLAS cannot (CPU tensors, the interpreter)
+    # where the tile above is what int8_gemm runs in its place when cuBLAS cannot (CPU tensors, the interpreter);
+    # "codes": codes_gemm (W8 made from the codes in the K loop; bk must divide 128, one scale group)
 
     def __str__(self) -> str:
         if self.backend == "int_mm":
@@ -135,6 +215,25 @@ def default_config(m: int, n: int, k: int) -> Int8GemmConfig:
     if k > 8192:
         return Int8GemmConfig(bm=128, bn=128, bk=128, group_m=8, warps=8, stages=4)
     return Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=4, stages=4)
+
+
+def codes_default_config(m: int, n: int, k: int) -> Int8GemmConfig:
+    """The tile of `codes_gemm` for a batch of m rows. A GUESS until the H200 sweep (benchmarks/prefill.py,
+    make bench-prefill) has run at prefill sizes: M <= 64 was measured only with the earlier one-code-per-thread
+    decode (benchmarks/codes_gemm.py, 2026-12-01: best bm=16 bn=32 at 2-16 rows, bm=64 bn=32 at 48-64), M > 64
+    never. The reasoning for big M, from the compiled code only (sm_90 SASS, no GPU): a program's decode costs
+    the same whatever BM is, so a 128-row tile pays half as much per product term as a 64-row one; 128 × 128
+    × 64 with 8 warps takes 114 registers and 40 KiB of shared memory (3 stages), so two programs share an SM
+    and one's decode overlaps the other's tensor-core work (the kernel waits for its own product before the
+    next decode overwrites the W8 tile); it fits sm_120's 99 KiB (32 KiB there), the 12 GB cards this route
+    is for. GROUP_M 8: eight row tiles read each weight tile from L2."""
+    if m <= 16:
+        return Int8GemmConfig(bm=16, bn=32, bk=128, group_m=1, warps=4, stages=4, backend="codes")
+    if m <= 64:
+        return Int8GemmConfig(bm=64, bn=32, bk=128, group_m=1, warps=4, stages=3, backend="codes")
+    if m <= 256:  # more, smaller row tiles while the grid is small (o_proj at 128 rows: 40 programs of 128 rows)
+        return Int8GemmConfig(bm=64, bn=128, bk=64, group_m=8, warps=4, stages=3, backend="codes")
+    return Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=8, stages=3, backend="codes")
 
 
 def int8_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,3 +294,35 @@ def int_mm_linear(xq: torch.Tensor, w8: torch.Tensor, ts: torch.Tensor, rs: torc
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The same product through cuBLAS: torch._int_mm(xq, w8.t()) (column-major second operand) + `rescale`."""
     return rescale(torch._int_mm(xq, w8.t()), ts, rs, bias, dtype, out=out)
+
+
+def codes_gemm(xq: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, ts: torch.Tensor, rs: torch.Tensor,
+               bias: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16, *,
+               out: torch.Tensor | None = None, config: Int8GemmConfig | None = None) -> torch.Tensor:
+    """y [M, N] = (xq [M, K] · W8^T) · ts[m] · rs[n] (+ bias), W8 made in the kernel, never stored:
+
+        W8[n, k] = (((packed[n, k/16] >> 2·(k % 16)) & 3) - 1) · q[n, k/128]
+
+    packed int32 [N, K/16] (code i of a word at bits 2i, weight = code - 1), q int8 [N, K/128] (`int8_scales`).
+    The same int32 sums and rescale as `int8_gemm(xq, expand_int8(packed, q), ...)`, without writing W8.
+
+    config: default `codes_default_config(M, N, K)`; its tile is used whatever its backend."""
+    require()
+    m, k = xq.shape
+    n = packed.shape[0]
+    c = config or codes_default_config(m, n, k)
+    if k % 128 or 128 % c.bk or c.bk < 32:
+        raise ValueError(f"codes_gemm: K = {k} must be a multiple of 128 and BK = {c.bk} one of 32, 64, 128")
+    if packed.shape != (n, k // 16) or q.shape != (n, k // 128) or packed.stride(1) != 1 or q.stride(1) != 1:
+        raise ValueError(f"codes_gemm: expected packed [N, K/16] and q [N, K/128] with unit inner stride, got "
+                         f"{list(packed.shape)} and {list(q.shape)} for K = {k}")
+    y = torch.empty(m, n, dtype=dtype, device=xq.device) if out is None else out
+    # q as int32 words where its rows are whole words (K % 512 == 0: every layer of the 27B at TP=2)
+    q32 = q.shape[1] % 4 == 0 and q.stride(0) % 4 == 0 and q.data_ptr() % 4 == 0
+    qv = q.view(torch.int32) if q32 else q
+    grid = (triton.cdiv(m, c.bm) * triton.cdiv(n, c.bn),)
+    _codes_gemm_kernel[grid](xq, packed, qv, ts, rs, bias if bias is not None else rs, y, m, n, k, xq.stride(0),
+                             packed.stride(0), qv.stride(0), y.stride(0), BM=c.bm, BN=c.bn, BK=c.bk,
+                             GROUP_M=c.group_m, HAS_BIAS=bias is not None, Q32=q32, num_warps=c.warps,
+                             num_stages=c.stages)
+    return y

@@ -21,7 +21,9 @@ Dispatch (by batch rows M = x.numel() / K and by device):
   for gate_up at M = 1, whose split-K sums its partials in a second small launch);
 - larger M: rotation, per-token int8 quantization, then the int8 matmul against W8 (expanded at load when
   `prepare(..., expand_int8=True)`, else per call into a scratch buffer) (int8mm.py): the Triton GEMM
-  with the rescale fused, or cuBLAS `_int_mm` + a rescale pass, whichever int8mm.default_config names.
+  with the rescale fused, or cuBLAS `_int_mm` + a rescale pass, whichever int8mm.default_config names;
+  W8 not kept and BONSAI_CODES_GEMM on (off by default until a GPU run passes it; issue 19): no expansion,
+  the int8 GEMM decoding the codes into W8 in its K loop (int8mm.codes_gemm, tile int8mm.codes_default_config).
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class TernaryWeights:
     # the streaming GEMV's config for 1, 2, ... rows (prepare's switch; CUDA only; STREAM_MAX_M of them, None
     # where its rule gives the row count to another route); None: never
     stream: tuple[StreamConfig, ...] | None = None
+    # W8 not kept: the int8 route's rows through int8mm.codes_gemm (W8 made in its K loop) rather than
+    # expand_int8 + GEMM (prepare's switch; None: BONSAI_CODES_GEMM). No effect when W8 is kept.
+    codes: bool = False
 
     @property
     def out_features(self) -> int:
@@ -101,7 +106,7 @@ class TernaryWeights:
 
 def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None = None, *,
             block: int = BLOCK, expand_int8: bool = False, dp4a: bool | None = None,
-            mma: bool | None = None, stream: bool | None = None) -> TernaryWeights:
+            mma: bool | None = None, stream: bool | None = None, codes: bool | None = None) -> TernaryWeights:
     """Build the layer state once at load time (same device as `packed`).
 
     `expand_int8=True` keeps W8 = code · q (1 byte per weight) for the prefill matmul; leave it False where
@@ -110,6 +115,8 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     BONSAI_DP4A_GEMV switch); its shared workspace is reserved here, not during a call. `mma`: 2 to MMA_MAX_M
     rows through the int8 tensor-core kernel on CUDA (None: BONSAI_MMA_GEMM); its instances are compiled here.
     `stream`: 1 to STREAM_MAX_M rows through the streaming CUDA C GEMV (None: BONSAI_STREAM_GEMV); compiled here.
+    `codes`: without W8, the int8 route's rows through the GEMM that decodes the codes itself instead of
+    expanding W8 per call (None: BONSAI_CODES_GEMM).
     """
     n, kw = packed.shape
     k = kw * 16
@@ -163,6 +170,11 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
             if config is not None:  # compiled and loaded now, not in a capture
                 stream_gemv.launch_shape(config, rows, n, k, torch.bfloat16, packed.device)
         tw.stream = configs if any(configs) else None
+    if codes is None:
+        from bonsai_vllm import settings
+
+        codes = settings.get("BONSAI_CODES_GEMM")
+    tw.codes = bool(codes)
     return tw
 
 
@@ -194,8 +206,9 @@ class Route:
     dp4a.Dp4aConfig the layer was prepared with for that many rows), "mma" (config: the layer's
     mma.MmaConfig for that many rows), "gemv" (config: the
     gemv.GemvConfig of gemv.default_config) or "int8" (config: the int8mm.Int8GemmConfig of
-    int8mm.default_config; w8: "kept" at load or "expanded" per call). make gpu-check prints it beside each
-    case."""
+    int8mm.default_config; w8: "kept" at load or "expanded" per call; or, W8 not kept with tw.codes, backend
+    "codes" of int8mm.codes_default_config and w8 "decoded in the kernel"). make gpu-check prints it beside
+    each case, e.g. "int8 codes bm=128 bn=128 bk=64 group_m=8 warps=8 stages=3, W8 decoded in the kernel"."""
 
     path: str
     config: GemvConfig | Int8GemmConfig | Dp4aConfig | MmaConfig | StreamConfig | None = None
@@ -226,6 +239,8 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
         return Route("gemv", gemv.default_config(m, tw.out_features, tw.in_features))
     from bonsai_vllm.ternary.kernels import int8mm
 
+    if tw.w_int8 is None and tw.codes:
+        return Route("int8", int8mm.codes_default_config(m, tw.out_features, tw.in_features), "decoded in the kernel")
     return Route("int8", int8mm.default_config(m, tw.out_features, tw.in_features),
                  "kept" if tw.w_int8 is not None else "expanded")
 
@@ -285,9 +300,12 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         # Rotate, then quantize: two passes, but each at full bandwidth (the fused kernel rotates twice).
         xr = x2 if rotated else block_hadamard(x2, tw.signs, tw.block)
         xq, ts = quantize_per_token(xr)
-        w8 = tw.w_int8 if tw.w_int8 is not None else int8mm.expand_int8(tw.packed, tw.q)
-        if r.config.backend == "int_mm" and x.is_cuda:
-            y = int8mm.int_mm_linear(xq, w8, ts, tw.row_scale, bias, x.dtype)
-        else:  # the Triton GEMM (an "int_mm" config's tile off CUDA)
-            y = int8mm.int8_gemm(xq, w8, ts, tw.row_scale, bias, x.dtype, config=r.config)
+        if r.config.backend == "codes":  # W8 made from the codes inside the GEMM, never written
+            y = int8mm.codes_gemm(xq, tw.packed, tw.q, ts, tw.row_scale, bias, x.dtype, config=r.config)
+        else:
+            w8 = tw.w_int8 if tw.w_int8 is not None else int8mm.expand_int8(tw.packed, tw.q)
+            if r.config.backend == "int_mm" and x.is_cuda:
+                y = int8mm.int_mm_linear(xq, w8, ts, tw.row_scale, bias, x.dtype)
+            else:  # the Triton GEMM (an "int_mm" config's tile off CUDA)
+                y = int8mm.int8_gemm(xq, w8, ts, tw.row_scale, bias, x.dtype, config=r.config)
     return y.view(*x.shape[:-1], tw.out_features)
