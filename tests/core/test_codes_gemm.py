@@ -29,9 +29,10 @@ from bonsai_vllm.ternary.kernels import hadamard, int8mm, linear  # noqa: E402
 from bonsai_vllm.ternary.kernels.int8mm import Int8GemmConfig  # noqa: E402
 from bonsai_vllm.ternary.reference import dequantize, int8_decompose, ternary_linear_ref  # noqa: E402
 
-# the modules whose @triton.jit functions these tests decorate (hadamard imports dp4a's group prep)
-_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.ternary.kernels.{m}" for m in ("int8mm", "hadamard",
-                                                                                              "dp4a")])
+# the modules whose @triton.jit functions these tests decorate, forgotten afterwards. Not dp4a (hadamard imports
+# its group prep): test_dp4a.py, collected before this module's teardown, holds dp4a's module object, and a fresh
+# import under it would give the layers it prepares another Dp4aConfig class (its own teardown forgets dp4a).
+_interpreter = interpreter_scope.module_fixture([f"bonsai_vllm.ternary.kernels.{m}" for m in ("int8mm", "hadamard")])
 
 DEV = "cuda" if GPU else "cpu"
 BF16_TOL = 3e-3 if GPU else 6e-3  # a bf16 output's rounding (the interpreter truncates: test_kernels.py)
