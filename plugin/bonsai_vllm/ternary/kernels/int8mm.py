@@ -60,20 +60,37 @@ if triton is not None:
             y += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _grouped_tile(M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of this program, in grouped order: GROUP_M row tiles run one after another
+        over each column tile, so they share its weights in L2 (the Triton matmul tutorial's order)."""
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BM)
+        num_n = tl.cdiv(N, BN)
+        first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        return first_m + (pid % (GROUP_M * num_n)) % size_m, (pid % (GROUP_M * num_n)) // size_m
+
+    @triton.jit
+    def _rescale_store(acc, rm, rn, pid_m, pid_n, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, stride_c,
+                       BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The int8 GEMMs' epilogue: y = acc · ts[m] · rs[n] (+ bias) stored in c's dtype, rows and columns past
+        M and N masked (rm, rn: the tile's wrapped row and column indices the loads used)."""
+        y = acc.to(tl.float32) * tl.load(ts_ptr + rm)[:, None] * tl.load(rs_ptr + rn)[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+        om = pid_m * BM + tl.arange(0, BM)
+        on = pid_n * BN + tl.arange(0, BN)
+        tl.store(c_ptr + om[:, None] * stride_c + on[None, :], y.to(c_ptr.dtype.element_ty),
+                 mask=(om < M)[:, None] & (on < N)[None, :])
+
     @triton.jit(do_not_specialize=["M"])
     def _int8_gemm_kernel(a_ptr, b_ptr, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, K, stride_a, stride_b, stride_c,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                           HAS_BIAS: tl.constexpr):
         # The Triton matmul tutorial with int8 operands (A [M, K] and B [N, K], both K-contiguous, which is
         # what Hopper's int8 wgmma wants) and the rescale fused into the epilogue.
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = pid // (GROUP_M * num_n)  # grouped order: GROUP_M row tiles share each B tile in L2
-        first_m = group * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-        pid_n = (pid % (GROUP_M * num_n)) // size_m
+        pid_m, pid_n = _grouped_tile(M, N, BM, BN, GROUP_M)
         rm = (pid_m * BM + tl.arange(0, BM)) % M  # wrap instead of masking the loads; stores are masked
         rn = (pid_n * BN + tl.arange(0, BN)) % N
         rk = tl.arange(0, BK)
@@ -84,13 +101,7 @@ if triton is not None:
             acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, out_dtype=tl.int32)
             a_ptrs += BK
             b_ptrs += BK
-        y = acc.to(tl.float32) * tl.load(ts_ptr + rm)[:, None] * tl.load(rs_ptr + rn)[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-        om = pid_m * BM + tl.arange(0, BM)
-        on = pid_n * BN + tl.arange(0, BN)
-        tl.store(c_ptr + om[:, None] * stride_c + on[None, :], y.to(c_ptr.dtype.element_ty),
-                 mask=(om < M)[:, None] & (on < N)[None, :])
+        _rescale_store(acc, rm, rn, pid_m, pid_n, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, stride_c, BM, BN, HAS_BIAS)
 
     @triton.jit
     def _word_weights(p, q):
@@ -129,14 +140,7 @@ if triton is not None:
         # decodes its [BN, K] codes once, for all BM rows of its tile: the decode (~3 integer instructions per
         # weight on sm_90) per product term falls as 1/BM, which is why this wants a prefill chunk's big tiles.
         WPT: tl.constexpr = BK // 16  # words per weight row per K step
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BM)
-        num_n = tl.cdiv(N, BN)
-        group = pid // (GROUP_M * num_n)  # grouped order: GROUP_M row tiles share each weight tile in L2
-        first_m = group * GROUP_M
-        size_m = min(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-        pid_n = (pid % (GROUP_M * num_n)) // size_m
+        pid_m, pid_n = _grouped_tile(M, N, BM, BN, GROUP_M)
         rm = (pid_m * BM + tl.arange(0, BM)) % M  # wrap instead of masking the loads; stores are masked
         rn = (pid_n * BN + tl.arange(0, BN)) % N
         rk = tl.arange(0, BK)
@@ -159,13 +163,7 @@ if triton is not None:
             acc = tl.dot(a, tl.trans(w8), acc, out_dtype=tl.int32)
             a_ptrs += BK
             w_ptrs += WPT
-        y = acc.to(tl.float32) * tl.load(ts_ptr + rm)[:, None] * tl.load(rs_ptr + rn)[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
-        om = pid_m * BM + tl.arange(0, BM)
-        on = pid_n * BN + tl.arange(0, BN)
-        tl.store(c_ptr + om[:, None] * stride_c + on[None, :], y.to(c_ptr.dtype.element_ty),
-                 mask=(om < M)[:, None] & (on < N)[None, :])
+        _rescale_store(acc, rm, rn, pid_m, pid_n, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, stride_c, BM, BN, HAS_BIAS)
 
 
 @dataclass(frozen=True)
