@@ -264,7 +264,7 @@ bench-mma: ## the 2-64-row int8 tensor-core kernel (mma.cu): its config sweep ch
 bench-stream: ## the 1-4-row streaming GEMV (stream_gemv.cu): its config sweep checked, then timed against a read floor, the routes before it and bf16 (CUDA GPU; BENCH_ARGS=--quick: the defaults only)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.stream_gemv --out .cache/bench-stream $(BENCH_ARGS)
 
-bench-prefill: ## prefill chunks (64-4096 rows) without W8: the GEMM decoding the codes (int8mm.codes_gemm, its tile sweep checked first) against W8 expanded per call, W8 kept and bf16 (CUDA GPU; BENCH_ARGS=--quick: the default only)
+bench-prefill: ## prefill chunks (128-2048 rows) without W8: the GEMM decoding the codes (int8mm.codes_gemm, its tile sweep checked first) against W8 expanded per call, W8 kept and bf16 (CUDA GPU; BENCH_ARGS=--quick: the default only)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.prefill --out .cache/bench-prefill $(BENCH_ARGS)
 
 bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) at the 27B's shapes (CUDA GPU)

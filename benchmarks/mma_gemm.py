@@ -1,6 +1,6 @@
 """Check and time issue 19's 2-64-row kernel, ternary.kernels.mma (int8 mma.sync on codes decoded in registers).
 
-    PYTHONPATH=plugin python -m benchmarks.mma_gemm [--out DIR] [--ms 1,2,16,48] [--quick]
+    PYTHONPATH=plugin python -m benchmarks.mma_gemm [--out DIR] [--ms 1,2,16,48] [--layers gate_up,...] [--quick]
 
 On the GPU, for the six per-rank layers of the 27B and batch rows M:
 - every configuration in the sweep (`--quick`: the default alone) against the kernel's own integer maths
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--layers", default=",".join(s[0] for s in SHAPES), help="layers, comma-separated")
     ap.add_argument("--quick", action="store_true", help="the default configuration only (no sweep)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds of checks and timings, then the table")
     ap.add_argument("--rtx-occupancy", action="store_true",
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="sweep only configurations above this many bytes of shared memory (and the default)")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
+    shapes = [s for s in SHAPES if s[0] in args.layers.split(",")]
     from bonsai_vllm.ternary.kernels import linear
 
     dev = "cuda"
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.
     t0 = time.time()
-    wanted = {mma.template(m, c, dt): (m, c, dt) for name, k, n in SHAPES for m in ms
+    wanted = {mma.template(m, c, dt): (m, c, dt) for name, k, n in shapes for m in ms
               for c in sweep(m, n, k, args.quick, args.min_shared) for dt in (torch.bfloat16, torch.float32)}
     cap = "".join(map(str, torch.cuda.get_device_capability()))
     with ThreadPoolExecutor(16) as pool:  # NVRTC on the host's cores; the modules load in this thread
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = bk.copy_bandwidth()
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     rows, failures = [], []
-    for name, k, n in SHAPES:
+    for name, k, n in shapes:
         layer = bk.served_copies(n, k, dev, seed=5, l2=l2)  # today's served routes, x rotated
         packed, scales, w_ref, tern, tws, dense = (layer.packed, layer.scales, layer.w_ref, layer.tern, layer.served,
                                                    layer.dense)

@@ -17,8 +17,9 @@ call into a scratch buffer (`expand_int8`: reads 2.125 bits, writes 8 bits per w
   round trip through memory).
 
 Without W8 a third way skips the per-call expansion (issue 19): `codes_gemm` (backend "codes"; linear.py
-takes it when BONSAI_CODES_GEMM is on) is `int8_gemm` with its B operand made in the K loop from the packed
-codes and q, the same W8 values expand_int8 writes, hence the same int32 sums and the same fused rescale.
+takes it up to CODES_MAX_M rows while BONSAI_CODES_GEMM is on, the default) is `int8_gemm` with B
+made in the K loop from the packed codes and q, the same W8 values expand_int8 writes, hence the same int32
+sums and the same fused rescale; split-K adds its slices' int32 sums with atomics, then `rescale`.
 """
 
 from __future__ import annotations
@@ -133,28 +134,35 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _codes_gemm_kernel(a_ptr, w_ptr, q_ptr, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, K, stride_a, stride_w,
                            stride_q, stride_c, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, Q32: tl.constexpr):
+                           GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, Q32: tl.constexpr, SPLIT: tl.constexpr):
         # _int8_gemm_kernel with B made in registers: per K step the words [BN, BK/16] and the int8 group
         # scale q of that step's scale group (BK divides 128, so a step never straddles two groups) give the
         # W8 tile (_word_weights), which goes to the int8 dot as it would have come from memory. A program
         # decodes its [BN, K] codes once, for all BM rows of its tile: the decode (~3 integer instructions per
         # weight on sm_90) per product term falls as 1/BM, which is why this wants a prefill chunk's big tiles.
+        # SPLIT > 1 (split-K, for grids that would leave SMs idle: the 5120-output layers give 40-80 tiles at
+        # 128-256 rows on 132 SMs): program (tile, s) sums K slice s, whole scale groups, and adds its int32
+        # tile into c_ptr (int32 [M, N], zeroed by the caller) with atomics; integer sums, so the result does
+        # not depend on the order; codes_gemm rescales after.
         WPT: tl.constexpr = BK // 16  # words per weight row per K step
         pid_m, pid_n = _grouped_tile(M, N, BM, BN, GROUP_M)
+        span = tl.cdiv(K // 128, SPLIT) * 128  # K per slice
+        k0 = tl.program_id(1) * span
+        k1 = tl.minimum(K, k0 + span)
         rm = (pid_m * BM + tl.arange(0, BM)) % M  # wrap instead of masking the loads; stores are masked
         rn = (pid_n * BN + tl.arange(0, BN)) % N
         rk = tl.arange(0, BK)
-        a_ptrs = a_ptr + rm[:, None] * stride_a + rk[None, :]
-        w_ptrs = w_ptr + rn[:, None] * stride_w + tl.arange(0, WPT)[None, :]  # [BN, WPT]
+        a_ptrs = a_ptr + rm[:, None] * stride_a + k0 + rk[None, :]
+        w_ptrs = w_ptr + rn[:, None] * stride_w + k0 // 16 + tl.arange(0, WPT)[None, :]  # [BN, WPT]
         # q in the words' [BN, WPT] layout (one group per step: the same value along a row): the decode's own
         # layout. Q32: q read as int32 words of four groups' scales (stride_q in words), since a load narrower
         # than 4 bytes is not software-pipelined (cp.async copies 4, 8 or 16) and would stall every step.
         q_ptrs = tl.broadcast_to(q_ptr + rn[:, None] * stride_q, (BN, WPT))
         acc = tl.zeros([BM, BN], dtype=tl.int32)
-        for t in range(0, K // BK):
+        for kk in range(k0, k1, BK):
             a = tl.load(a_ptrs)  # [BM, BK] int8
             p = tl.load(w_ptrs)  # [BN, WPT] int32
-            g = (t * BK) // 128  # this step's scale group
+            g = kk // 128  # this step's scale group
             if Q32:
                 q = (tl.load(q_ptrs + g // 4) << (24 - 8 * (g % 4))) >> 24  # byte g % 4, sign-extended
             else:
@@ -163,8 +171,14 @@ if triton is not None:
             acc = tl.dot(a, tl.trans(w8), acc, out_dtype=tl.int32)
             a_ptrs += BK
             w_ptrs += WPT
-        _rescale_store(acc, rm, rn, pid_m, pid_n, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, stride_c, BM, BN, HAS_BIAS)
-
+        if SPLIT == 1:
+            _rescale_store(acc, rm, rn, pid_m, pid_n, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, stride_c, BM, BN,
+                           HAS_BIAS)
+        else:
+            om = pid_m * BM + tl.arange(0, BM)
+            on = pid_n * BN + tl.arange(0, BN)
+            tl.atomic_add(c_ptr + om[:, None] * N + on[None, :], acc, mask=(om < M)[:, None] & (on < N)[None, :],
+                          sem="relaxed")
 
 @dataclass(frozen=True)
 class Int8GemmConfig:
@@ -179,12 +193,13 @@ class Int8GemmConfig:
     backend: str = "triton"  # "triton": int8_gemm (rescale fused); "int_mm": torch._int_mm (cuBLAS) + rescale,
     # where the tile above is what int8_gemm runs in its place when cuBLAS cannot (CPU tensors, the interpreter);
     # "codes": codes_gemm (W8 made from the codes in the K loop; bk must divide 128, one scale group)
+    split: int = 1  # codes only: K slices (split-K: int32 atomics into a zeroed buffer, then `rescale`)
 
     def __str__(self) -> str:
         if self.backend == "int_mm":
             return "int_mm"
         return (f"{self.backend} bm={self.bm} bn={self.bn} bk={self.bk} group_m={self.group_m} warps={self.warps} "
-                f"stages={self.stages}")
+                f"stages={self.stages}" + (f" split={self.split}" if self.split > 1 else ""))
 
 
 INT_MM = Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=4, stages=4, backend="int_mm")
@@ -216,22 +231,25 @@ def default_config(m: int, n: int, k: int) -> Int8GemmConfig:
 
 
 def codes_default_config(m: int, n: int, k: int) -> Int8GemmConfig:
-    """The tile of `codes_gemm` for a batch of m rows. A GUESS until the H200 sweep (benchmarks/prefill.py,
-    make bench-prefill) has run at prefill sizes: M <= 64 was measured only with the earlier one-code-per-thread
-    decode (benchmarks/codes_gemm.py, 2026-12-01: best bm=16 bn=32 at 2-16 rows, bm=64 bn=32 at 48-64), M > 64
-    never. The reasoning for big M, from the compiled code only (sm_90 SASS, no GPU): a program's decode costs
-    the same whatever BM is, so a 128-row tile pays half as much per product term as a 64-row one; 128 × 128
-    × 64 with 8 warps takes 114 registers and 40 KiB of shared memory (3 stages), so two programs share an SM
-    and one's decode overlaps the other's tensor-core work (the kernel waits for its own product before the
-    next decode overwrites the W8 tile); it fits sm_120's 99 KiB (32 KiB there), the 12 GB cards this route
-    is for. GROUP_M 8: eight row tiles read each weight tile from L2."""
+    """The tile of `codes_gemm` for a batch of m rows. From the H200 sweep of make bench-prefill (2026-12-03,
+    13 tiles at 128-1024 rows on the six per-rank layers, docs/benchmarks.md): within 2 % of each case's
+    fastest at 128-256 rows (the scheduler's chunks while others decode) and within 8 % at 512 (its chunk when
+    idle). A 128-row tile decodes its weights once for twice the rows of a 64-row one. At up to 256 rows a
+    narrow 64-output tile with a deep K step (BK 128) gives the 5120-output layers enough programs; down_proj
+    (K 8704) at 128 rows has only 80 of them on 132 SMs and takes two K slices (1.19× faster). From 512 rows the
+    wide layers take 128 × 128 tiles of 8 warps. Every tile fits sm_120 (99 KiB of shared memory, no spills:
+    make compile-check). M <= 64 never comes here when served (the mma kernel and the GEMVs take those rows):
+    those tiles are the earlier one-code-per-thread benchmark's best (benchmarks/codes_gemm.py, 2026-12-01)."""
     if m <= 16:
         return Int8GemmConfig(bm=16, bn=32, bk=128, group_m=1, warps=4, stages=4, backend="codes")
     if m <= 64:
         return Int8GemmConfig(bm=64, bn=32, bk=128, group_m=1, warps=4, stages=3, backend="codes")
-    if m <= 256:  # more, smaller row tiles while the grid is small (o_proj at 128 rows: 40 programs of 128 rows)
-        return Int8GemmConfig(bm=64, bn=128, bk=64, group_m=8, warps=4, stages=3, backend="codes")
-    return Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=8, stages=3, backend="codes")
+    if m <= 384:
+        return Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, backend="codes",
+                              split=2 if m <= 160 and k > 8192 else 1)
+    if m <= 512 and n <= 6144:
+        return Int8GemmConfig(bm=128, bn=64, bk=64, group_m=8, warps=4, stages=4, backend="codes")
+    return Int8GemmConfig(bm=128, bn=128, bk=128, group_m=8, warps=8, stages=3, backend="codes")
 
 
 def int8_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,13 +332,20 @@ def codes_gemm(xq: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, ts: torc
     if packed.shape != (n, k // 16) or q.shape != (n, k // 128) or packed.stride(1) != 1 or q.stride(1) != 1:
         raise ValueError(f"codes_gemm: expected packed [N, K/16] and q [N, K/128] with unit inner stride, got "
                          f"{list(packed.shape)} and {list(q.shape)} for K = {k}")
-    y = torch.empty(m, n, dtype=dtype, device=xq.device) if out is None else out
     # q as int32 words where its rows are whole words (K % 512 == 0: every layer of the 27B at TP=2)
     q32 = q.shape[1] % 4 == 0 and q.stride(0) % 4 == 0 and q.data_ptr() % 4 == 0
     qv = q.view(torch.int32) if q32 else q
-    grid = (triton.cdiv(m, c.bm) * triton.cdiv(n, c.bn),)
-    _codes_gemm_kernel[grid](xq, packed, qv, ts, rs, bias if bias is not None else rs, y, m, n, k, xq.stride(0),
-                             packed.stride(0), qv.stride(0), y.stride(0), BM=c.bm, BN=c.bn, BK=c.bk,
-                             GROUP_M=c.group_m, HAS_BIAS=bias is not None, Q32=q32, num_warps=c.warps,
-                             num_stages=c.stages)
-    return y
+    split = min(c.split, k // 128)
+    grid = (triton.cdiv(m, c.bm) * triton.cdiv(n, c.bn), split)
+    if split == 1:
+        y = torch.empty(m, n, dtype=dtype, device=xq.device) if out is None else out
+        _codes_gemm_kernel[grid](xq, packed, qv, ts, rs, bias if bias is not None else rs, y, m, n, k, xq.stride(0),
+                                 packed.stride(0), qv.stride(0), y.stride(0), BM=c.bm, BN=c.bn, BK=c.bk,
+                                 GROUP_M=c.group_m, HAS_BIAS=bias is not None, Q32=q32, SPLIT=1, num_warps=c.warps,
+                                 num_stages=c.stages)
+        return y
+    acc = torch.zeros(m, n, dtype=torch.int32, device=xq.device)  # the slices' int32 sums land here
+    _codes_gemm_kernel[grid](xq, packed, qv, ts, rs, rs, acc, m, n, k, xq.stride(0), packed.stride(0),
+                             qv.stride(0), n, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, HAS_BIAS=False,
+                             Q32=q32, SPLIT=split, num_warps=c.warps, num_stages=c.stages)
+    return rescale(acc, ts, rs, bias, dtype, out=out)
