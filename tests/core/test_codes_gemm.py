@@ -69,12 +69,19 @@ CASES = [(1, 64, 512, Int8GemmConfig(bm=16, bn=32, bk=128, group_m=1, warps=4, s
          (17, 80, 384, Int8GemmConfig(bm=16, bn=32, bk=64, group_m=2, warps=4, stages=1, backend="codes"), True),
          (130, 80, 512, Int8GemmConfig(bm=32, bn=32, bk=64, group_m=2, warps=4, stages=1, backend="codes"), True),
          (130, 144, 384, Int8GemmConfig(bm=64, bn=64, bk=128, group_m=4, warps=4, stages=1, backend="codes"), False),
-         (40, 256, 512, Int8GemmConfig(bm=32, bn=64, bk=32, group_m=1, warps=4, stages=1, backend="codes"), True)]
+         (40, 256, 512, Int8GemmConfig(bm=32, bn=64, bk=32, group_m=1, warps=4, stages=1, backend="codes"), True),
+         # split-K: 5 groups in slices of 3 + 2; 4 groups in 2 + 2 + an empty third slice; 3 slices asked of 3 groups
+         (130, 80, 640, Int8GemmConfig(bm=64, bn=32, bk=64, group_m=2, warps=4, stages=1, backend="codes", split=2),
+          True),
+         (17, 64, 512, Int8GemmConfig(bm=16, bn=32, bk=128, group_m=1, warps=4, stages=1, backend="codes", split=3),
+          False),
+         (33, 48, 384, Int8GemmConfig(bm=32, bn=32, bk=32, group_m=1, warps=4, stages=1, backend="codes", split=4),
+          True)]
 
 
 def _case_id(case) -> str:
     m, n, k, c, with_bias = case
-    return f"M{m}-N{n}-K{k}-bm{c.bm}-bn{c.bn}-bk{c.bk}" + ("-bias" if with_bias else "")
+    return f"M{m}-N{n}-K{k}-bm{c.bm}-bn{c.bn}-bk{c.bk}-split{c.split}" + ("-bias" if with_bias else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -155,6 +162,9 @@ def test_ternary_linear_takes_it_without_w8(rotated):
     assert "W8 decoded in the kernel" in str(r)
     assert linear.route(m, expand).config.backend != "codes" and linear.route(m, kept).w8 == "kept"
     assert linear.route(linear.GEMV_MAX_M_NO_W8, codes).path == "gemv"  # decode rows keep their routes
+    # past CODES_MAX_M one expansion per call costs less than decoding once per row tile
+    assert linear.route(linear.CODES_MAX_M, codes).config.backend == "codes"
+    assert linear.route(linear.CODES_MAX_M + 1, codes).w8 == "expanded"
     x = _x(m, k, seed=11).to(torch.bfloat16)
     xin = hadamard.block_hadamard(x, signs, 1024) if rotated else x
     bias = _x(1, n, seed=12)[0]
@@ -166,17 +176,18 @@ def test_ternary_linear_takes_it_without_w8(rotated):
     assert _rel(y, ref) < 2e-2 + BF16_TOL
 
 
-def test_the_switch_is_off_by_default_and_read_at_prepare(monkeypatch):
+def test_the_switch_is_on_by_default_and_read_at_prepare(monkeypatch):
     packed, scales = _layer(32, 512, seed=13)
     monkeypatch.delenv("BONSAI_CODES_GEMM", raising=False)
     settings.clear_cache()
     try:
-        assert settings.get("BONSAI_CODES_GEMM") is False
-        assert not linear.prepare(packed, scales, dp4a=False, mma=False, stream=False).codes
-        monkeypatch.setenv("BONSAI_CODES_GEMM", "1")
-        settings.clear_cache()
+        assert settings.get("BONSAI_CODES_GEMM") is True
         tw = linear.prepare(packed, scales, dp4a=False, mma=False, stream=False)
         assert tw.codes and linear.route(128, tw).config.backend == "codes"
+        monkeypatch.setenv("BONSAI_CODES_GEMM", "0")
+        settings.clear_cache()
+        tw = linear.prepare(packed, scales, dp4a=False, mma=False, stream=False)
+        assert not tw.codes and linear.route(128, tw).w8 == "expanded"
     finally:
         settings.clear_cache()
 

@@ -27,8 +27,8 @@ Forward (`apply`)::
     M <= 64 rows, CUDA   -> the same prep, the int8 tensor-core kernel on the codes (mma.py / mma.cu, NVRTC)
     M <= GEMV_MAX_M rows -> block_hadamard + ternary_gemv (codes read once, decoded in registers)
     larger M             -> quantize_per_token (rotation fused) + int8 matmul (int_mm + rescale, or int8_gemm);
-                            W8 not kept: expand_int8 per call first, or with BONSAI_CODES_GEMM (off by
-                            default) codes_gemm, which decodes W8 in its K loop
+                            W8 not kept: codes_gemm, which decodes W8 in its K loop, up to 512 rows
+                            (BONSAI_CODES_GEMM, on), expand_int8 per call first beyond
     CPU / no Triton      -> the reference maths (float32)
     (linear.py's docstring has the exact rule and the switches)
 

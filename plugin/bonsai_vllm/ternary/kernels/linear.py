@@ -22,8 +22,8 @@ Dispatch (by batch rows M = x.numel() / K and by device):
 - larger M: rotation, per-token int8 quantization, then the int8 matmul against W8 (expanded at load when
   `prepare(..., expand_int8=True)`, else per call into a scratch buffer) (int8mm.py): the Triton GEMM
   with the rescale fused, or cuBLAS `_int_mm` + a rescale pass, whichever int8mm.default_config names;
-  W8 not kept and BONSAI_CODES_GEMM on (off by default until a GPU run passes it; issue 19): no expansion,
-  the int8 GEMM decoding the codes into W8 in its K loop (int8mm.codes_gemm, tile int8mm.codes_default_config).
+  W8 not kept, up to `CODES_MAX_M` rows and BONSAI_CODES_GEMM on (the default; issue 19): no expansion, the
+  int8 GEMM decoding the codes into W8 in its K loop (int8mm.codes_gemm, tile int8mm.codes_default_config).
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ STREAM_MAX_M = 4
 # Batch rows up to which the int8 tensor-core kernel (mma.py) runs on CUDA: on the H200 it beat the routes it
 # replaced at 2-64 rows on every shape (dp4a at 2, `gemv dot` above 16: 1.1-2.4x; docs/benchmarks.md).
 MMA_MAX_M = 64
+# Batch rows up to which a layer prepared with `codes` (W8 not kept) runs the GEMM decoding the codes in its K
+# loop. Against expanding W8 per call + the int8 GEMM, on the H200 (make bench-prefill, 2026-12-03): 1.4-2.4×
+# faster at 128 rows, 1.2-1.9× at 256, level at 512 (0.89-1.17×), 0.82-0.94× at 1024. A program of the codes
+# GEMM decodes its weight tile once per row tile, so the decode grows with M while one expansion does not.
+# The scheduler's chunks (256 prefill tokens + the decode rows while others decode, 512 when idle) are all here.
+CODES_MAX_M = 512
 
 
 @dataclass
@@ -239,7 +245,7 @@ def route(m: int, tw: TernaryWeights, triton_ok: bool = True) -> Route:
         return Route("gemv", gemv.default_config(m, tw.out_features, tw.in_features))
     from bonsai_vllm.ternary.kernels import int8mm
 
-    if tw.w_int8 is None and tw.codes:
+    if tw.w_int8 is None and tw.codes and m <= CODES_MAX_M:
         return Route("int8", int8mm.codes_default_config(m, tw.out_features, tw.in_features), "decoded in the kernel")
     return Route("int8", int8mm.default_config(m, tw.out_features, tw.in_features),
                  "kept" if tw.w_int8 is not None else "expanded")
