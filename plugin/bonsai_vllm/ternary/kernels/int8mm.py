@@ -236,15 +236,16 @@ def codes_default_config(m: int, n: int, k: int) -> Int8GemmConfig:
     fastest at 128-256 rows (the scheduler's chunks while others decode) and within 8 % at 512 (its chunk when
     idle). A 128-row tile decodes its weights once for twice the rows of a 64-row one. At up to 256 rows a
     narrow 64-output tile with a deep K step (BK 128) gives the 5120-output layers enough programs; down_proj
-    (K 8704) at 128 rows has only 80 of them on 132 SMs and takes two K slices (1.19× faster). From 512 rows the
-    wide layers take 128 × 128 tiles of 8 warps. Every tile fits sm_120 (99 KiB of shared memory, no spills:
+    (K 8704) at 128 rows has only 80 of them on 132 SMs and takes two K slices (1.19× faster). From 257 rows the
+    wide layers take 128 × 128 tiles of 8 warps (at 384 rows 1.07-1.16× faster than the narrow tile, measured
+    in a second run), the 5120-output layers from 385. Every tile fits sm_120 (99 KiB of shared memory, no spills:
     make compile-check). M <= 64 never comes here when served (the mma kernel and the GEMVs take those rows):
     those tiles are the earlier one-code-per-thread benchmark's best (benchmarks/codes_gemm.py, 2026-12-01)."""
     if m <= 16:
         return Int8GemmConfig(bm=16, bn=32, bk=128, group_m=1, warps=4, stages=4, backend="codes")
     if m <= 64:
         return Int8GemmConfig(bm=64, bn=32, bk=128, group_m=1, warps=4, stages=3, backend="codes")
-    if m <= 384:
+    if m <= 256 or (m <= 384 and n <= 6144):
         return Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, backend="codes",
                               split=2 if m <= 160 and k > 8192 else 1)
     if m <= 512 and n <= 6144:
