@@ -337,16 +337,14 @@ def codes_gemm(xq: torch.Tensor, packed: torch.Tensor, q: torch.Tensor, ts: torc
     q32 = q.shape[1] % 4 == 0 and q.stride(0) % 4 == 0 and q.data_ptr() % 4 == 0
     qv = q.view(torch.int32) if q32 else q
     split = min(c.split, k // 128)
+    if split == 1:  # the rescale (and bias) fused: y straight from the kernel
+        dst = torch.empty(m, n, dtype=dtype, device=xq.device) if out is None else out
+    else:  # the slices' int32 sums land here, then `rescale`
+        dst = torch.zeros(m, n, dtype=torch.int32, device=xq.device)
+    fused_bias = bias if split == 1 else None
     grid = (triton.cdiv(m, c.bm) * triton.cdiv(n, c.bn), split)
-    if split == 1:
-        y = torch.empty(m, n, dtype=dtype, device=xq.device) if out is None else out
-        _codes_gemm_kernel[grid](xq, packed, qv, ts, rs, bias if bias is not None else rs, y, m, n, k, xq.stride(0),
-                                 packed.stride(0), qv.stride(0), y.stride(0), BM=c.bm, BN=c.bn, BK=c.bk,
-                                 GROUP_M=c.group_m, HAS_BIAS=bias is not None, Q32=q32, SPLIT=1, num_warps=c.warps,
-                                 num_stages=c.stages)
-        return y
-    acc = torch.zeros(m, n, dtype=torch.int32, device=xq.device)  # the slices' int32 sums land here
-    _codes_gemm_kernel[grid](xq, packed, qv, ts, rs, rs, acc, m, n, k, xq.stride(0), packed.stride(0),
-                             qv.stride(0), n, BM=c.bm, BN=c.bn, BK=c.bk, GROUP_M=c.group_m, HAS_BIAS=False,
-                             Q32=q32, SPLIT=split, num_warps=c.warps, num_stages=c.stages)
-    return rescale(acc, ts, rs, bias, dtype, out=out)
+    _codes_gemm_kernel[grid](xq, packed, qv, ts, rs, rs if fused_bias is None else fused_bias, dst, m, n, k,
+                             xq.stride(0), packed.stride(0), qv.stride(0), dst.stride(0), BM=c.bm, BN=c.bn, BK=c.bk,
+                             GROUP_M=c.group_m, HAS_BIAS=fused_bias is not None, Q32=q32, SPLIT=split,
+                             num_warps=c.warps, num_stages=c.stages)
+    return dst if split == 1 else rescale(dst, ts, rs, bias, dtype, out=out)
