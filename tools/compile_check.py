@@ -171,6 +171,7 @@ def compile_only(capability: int, results: list[Compiled], cubins: dict | None =
 def drive_ternary() -> None:
     """ternary_linear for every layer and dispatch class: rotation (with the dp4a prep at M = 1), GEMVs,
     quantization, int8 GEMM, W8 expansion, the codes-decoding GEMM."""
+    from bonsai_vllm.ternary.kernels import hadamard
     from bonsai_vllm.ternary.kernels.int8mm import default_config, rescale
     from bonsai_vllm.ternary.kernels.linear import prepare, ternary_linear
 
@@ -191,6 +192,8 @@ def drive_ternary() -> None:
         tw = prepare(packed, scales, None if rotated else signs, codes=True)
         for m in (128, 512):
             ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
+        # the per-token quantization in one pass (hadamard.ONE_PASS), each layer's row width
+        hadamard.quantize_per_token(torch.randn(128, k, generator=g).bfloat16(), one_pass=True)
         # the dp4a route's rows on the fma GEMV as well (BONSAI_DP4A_GEMV=0; the default above took dp4a)
         tw = prepare(packed, scales, None if rotated else signs, dp4a=False)
         for m in (1, 2):

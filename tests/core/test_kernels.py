@@ -128,6 +128,29 @@ def test_quantize_per_token_matches_reference(rotate):
     assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("k", [1152, 2176])  # 2176: padded to 4096 in the one-pass program, like 8704 to 16384
+def test_quantize_per_token_one_pass_gives_the_tile_walks_bits(k):
+    x = _x(4, k, 9)
+    x[2] = 0.0  # an all-zero row: scale 0, q 0 (no division by zero)
+    x[1, 7] = -3.5 * x[1].abs().max()  # the row's amax at a negative entry
+    one = hadamard.quantize_per_token(x, one_pass=True)
+    walk = hadamard.quantize_per_token(x, one_pass=False)
+    ref = hadamard.quantize_per_token_ref(x)
+    for got in (one, walk):
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert one[0][2].eq(0).all() and one[1][2] == 0 and one[0][1, 7] == -127
+    with pytest.raises(ValueError, match="already rotated"):
+        hadamard.quantize_per_token(x, torch.ones(k, device=DEV), one_pass=True)
+
+
+def test_quantize_per_token_one_pass_rule():
+    # down_proj's 8704-wide rows up to a 256-row chunk (one wave of programs on the H200); not the 3-5-tile rows
+    assert hadamard.one_pass_default(1, 8704) and hadamard.one_pass_default(256, 8704)
+    assert not hadamard.one_pass_default(288, 8704) and not hadamard.one_pass_default(512, 8704)
+    assert not hadamard.one_pass_default(128, 5120) and not hadamard.one_pass_default(128, 3072)
+    assert not hadamard.one_pass_default(64, 17408)  # wider than one program's registers take
+
+
 # ------------------------------------------------------------------------------------------------ GEMV
 
 GEMV_CONFIGS = [GemvConfig(variant="fma", bm=1, bn=16, bw=32, warps=4, stages=1),
