@@ -192,7 +192,7 @@ def drive_ternary() -> None:
         tw = prepare(packed, scales, None if rotated else signs, codes=True)
         for m in (128, 512):
             ternary_linear(torch.randn(m, k, generator=g).bfloat16(), tw, rotated=rotated)
-        # the per-token quantization in one pass (hadamard.ONE_PASS), each layer's row width
+        # the per-token quantization in one pass (hadamard.one_pass_default takes it for down_proj), each row width
         hadamard.quantize_per_token(torch.randn(128, k, generator=g).bfloat16(), one_pass=True)
         # the dp4a route's rows on the fma GEMV as well (BONSAI_DP4A_GEMV=0; the default above took dp4a)
         tw = prepare(packed, scales, None if rotated else signs, dp4a=False)

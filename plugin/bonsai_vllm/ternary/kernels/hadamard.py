@@ -77,6 +77,14 @@ if triton is not None:
             return tl.load(x_ptr + rows[:, None, None] * stride_x + off[None, :, :],
                            mask=rmask[:, None, None], other=0.0).to(tl.float32)
 
+    @triton.jit
+    def _int8_of(y, scale):
+        """y / scale rounded half to even into [-127, 127] as int8, in IEEE arithmetic like
+        quantize_per_token_ref (Triton's `/` is not IEEE); a zero scale (an all-zero row) gives zeros."""
+        v = tl.math.div_rn(y, tl.maximum(scale, 1.1754943508222875e-38))
+        v = (v + 12582912.0) - 12582912.0  # round half to even (1.5·2^23 trick; |v| <= 127)
+        return tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
+
     @triton.jit(do_not_specialize=["M"])
     def _rotate_quant_kernel(x_ptr, s_ptr, y_ptr, q_ptr, qs_ptr, M, K, stride_x, stride_y, stride_q, norm,
                              BM: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, ROTATE: tl.constexpr,
@@ -94,14 +102,10 @@ if triton is not None:
                 y = _tile(x_ptr, s_ptr, rows, rmask, t * TILE, stride_x, norm, BM, B1, B2, ROTATE, SPLIT_X, DT)
                 amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=2), axis=1))
             scale = tl.math.div_rn(amax, 127.0)  # IEEE, as the reference's amax / 127 (Triton's `/` is not)
-            div = tl.maximum(scale, 1.1754943508222875e-38)[:, None, None]
             for t in range(0, K // TILE):
                 y = _tile(x_ptr, s_ptr, rows, rmask, t * TILE, stride_x, norm, BM, B1, B2, ROTATE, SPLIT_X, DT)
-                v = tl.math.div_rn(y, div)
-                v = (v + 12582912.0) - 12582912.0  # round half to even (1.5·2^23 trick; |v| <= 127)
-                v = tl.minimum(tl.maximum(v, -127.0), 127.0)
-                tl.store(q_ptr + rows[:, None, None] * stride_q + t * TILE + off[None, :, :], v.to(tl.int8),
-                         mask=rmask[:, None, None])
+                tl.store(q_ptr + rows[:, None, None] * stride_q + t * TILE + off[None, :, :],
+                         _int8_of(y, scale[:, None, None]), mask=rmask[:, None, None])
             tl.store(qs_ptr + rows, scale, mask=rmask)
         else:
             t = tl.program_id(1)
@@ -126,10 +130,7 @@ if triton is not None:
         mask = cols < K
         x = tl.load(x_ptr + m * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 127.0)
-        v = tl.math.div_rn(x, tl.maximum(scale, 1.1754943508222875e-38))
-        v = (v + 12582912.0) - 12582912.0  # round half to even (|v| <= 127)
-        v = tl.minimum(tl.maximum(v, -127.0), 127.0)
-        tl.store(q_ptr + m * stride_q + cols, v.to(tl.int8), mask=mask)
+        tl.store(q_ptr + m * stride_q + cols, _int8_of(x, scale), mask=mask)
         tl.store(qs_ptr + m, scale)
 
     @triton.jit
@@ -272,12 +273,7 @@ def quantize_per_token(x: torch.Tensor, signs: torch.Tensor | None = None, block
         if signs is not None or k % 128 or k > ONE_PASS_MAX_K:
             raise ValueError(f"quantize_per_token: one_pass takes an already rotated x, K a multiple of 128 up to "
                              f"{ONE_PASS_MAX_K} (got K = {k}, signs {'given' if signs is not None else 'none'})")
-        q, qs = (torch.empty(m, k, dtype=torch.int8, device=x.device),
-                 torch.empty(m, dtype=torch.float32, device=x.device)) if out is None else out
-        bk = triton.next_power_of_2(k)
-        _quantize_rows_kernel[(m,)](x2, q, qs, k, x2.stride(0), q.stride(0), BK=bk, num_warps=max(4, bk // 1024))
-        return q, qs
-    if signs is not None:
+    elif signs is not None:
         _check(x2, signs, block)
         b1, b2 = _FACTORS[block]
     else:
@@ -287,6 +283,10 @@ def quantize_per_token(x: torch.Tensor, signs: torch.Tensor | None = None, block
         b1, b2 = _TILES[tile]
     q, qs = (torch.empty(m, k, dtype=torch.int8, device=x.device),
              torch.empty(m, dtype=torch.float32, device=x.device)) if out is None else out
+    if one_pass:
+        bk = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(m,)](x2, q, qs, k, x2.stride(0), q.stride(0), BK=bk, num_warps=max(4, bk // 1024))
+        return q, qs
     bm = bm or 1  # one row per program: the fastest on the H200 at every M (each program walks its row twice)
     _rotate_quant_kernel[(triton.cdiv(m, bm), 1)](
         x2, x2 if signs is None else signs, x2, q, qs, m, k, x2.stride(0), 0, q.stride(0),
