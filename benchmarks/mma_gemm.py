@@ -13,7 +13,8 @@ On the GPU, for the six per-rank layers of the 27B and batch rows M:
 `--rtx-occupancy` pads each launch's shared memory so that an H200 SM holds no more CTAs of the instance than an
 RTX 50 card's SM would (sm_120's 100 KB of shared memory and 1,536 threads per SM, its own register count): the
 H200's 228 KB per SM otherwise ranks configurations by an occupancy the target never has. The SM count (132
-against the RTX 5070's 48) is not emulated.
+against the RTX 5070's 48) is not emulated. The "default" is then the sm_120 rule (mma.default_config's RTX
+tables, at this GPU's SM count), timed beside the sm_90 rule.
 The last lines are a table (docs/benchmarks.md keeps it) and the list of check failures."""
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ MS = [1, 2, 3, 4, 8, 16, 24, 32, 48, 64]
 SHAPES = bk.SHAPES
 
 
-def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0) -> list[MmaConfig]:
-    """The configurations timed for m rows: the default alone (`quick`), or the sweep the default rule came
-    from (warps and row tiles per CTA, warps along the batch, K slices, stages × groups per stage); with
-    `min_shared`, only the sweep's configurations above that many bytes of shared memory (and the default)."""
-    d = mma.default_config(m, n, k)
+def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0,
+          gpus: tuple[mma.Gpu, ...] = (mma.H200,)) -> list[MmaConfig]:
+    """The configurations timed for m rows: the defaults of the rules for `gpus` alone (`quick`), or the sweep
+    the rules came from (warps and row tiles per CTA, warps along the batch, K slices, stages × groups per
+    stage); with `min_shared`, only the sweep's configurations above that many bytes of shared memory (and the
+    defaults)."""
+    defaults = [d for d in dict.fromkeys(mma.default_config(m, n, k, g) for g in gpus) if d is not None]
     if quick:
-        return [d] if d is not None else []
+        return defaults
     residual = (m <= mma.RESIDUAL_MAX_M,)  # the rule's choice: the sweep times the instances it can serve
     tiles = -(-m // 8)
     layouts = [(w, r, 1) for w, r in ((2, 1), (4, 1), (4, 2), (8, 1))]  # (2, 1): 32-row CTAs, twice the CTAs
@@ -51,9 +54,8 @@ def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0) -> list[MmaC
     pipes = ((4, 1), (6, 1), (8, 1), (3, 2), (4, 2), (5, 2), (2, 4), (3, 4))  # (stages, groups per stage)
     cands = [c for c in (MmaConfig(w, r, s, res, st, gps, wm) for w, r, wm in layouts for s in (1, 2, 4, 8)
                          for res in residual for st, gps in pipes)
-             if c.fits(tiles) and c.shared_bytes(c.tiles(m)) > min_shared]
-    if d is not None and d not in cands:
-        cands.append(d)
+             if c.fits(tiles) and c.fits(c.tiles(m)) and c.shared_bytes(c.tiles(m)) > min_shared]
+    cands += [d for d in defaults if d not in cands]
     return [c for c in cands if n % c.rows_per_cta() == 0 and (k // 128) // c.split >= 2]
 
 
@@ -93,15 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     from bonsai_vllm.ternary.kernels import linear
 
     dev = "cuda"
+    # The rule timed as "default": this GPU's own, or with --rtx-occupancy the sm_120 tables on this GPU's SMs
+    # (the sm_90 rule is timed beside it).
+    gpus = (mma.Gpu.of(dev, "sm120"), mma.Gpu.of(dev, "sm90")) if args.rtx_occupancy else (mma.Gpu.of(dev),)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.
     t0 = time.time()
     wanted = {mma.template(m, c, dt): (m, c, dt) for name, k, n in shapes for m in ms
-              for c in sweep(m, n, k, args.quick, args.min_shared) for dt in (torch.bfloat16, torch.float32)}
+              for c in sweep(m, n, k, args.quick, args.min_shared, gpus) for dt in (torch.bfloat16, torch.float32)}
     cap = "".join(map(str, torch.cuda.get_device_capability()))
+    # With --rtx-occupancy the sm_120 builds too: their register counts set each launch's padding.
+    builds = [(name, c) for name in sorted(wanted) for c in ([cap, "120"] if args.rtx_occupancy else [cap])]
     with ThreadPoolExecutor(16) as pool:  # NVRTC on the host's cores; the modules load in this thread
-        list(pool.map(lambda name: mma.compile_instance(name, cap), sorted(wanted)))
+        list(pool.map(lambda b: mma.compile_instance(*b), builds))
     for a in wanted.values():
         mma.kernel(*a, torch.device(dev))
     bk.say(f"compiled {len(wanted)} instances in {time.time() - t0:.1f} s")
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             want = x.float() @ w_ref.t()
             ok = []
             exact_for = {res: mma.gemm_reference(act, packed, scales, res) for res in (True, False)}
-            for cfg in sweep(m, n, k, args.quick, args.min_shared):
+            for cfg in sweep(m, n, k, args.quick, args.min_shared, gpus):
                 exact = exact_for[cfg.residual]
                 try:
                     y = mma.gemm(act, packed, scales, cfg, ws, out=torch.full((m, n), float("nan"), device=dev))
@@ -153,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                     failures.append(f"{name} M={m} {best}: not deterministic ({bk.rel(again, first):.1e})")
             fast = {res: min((t for c, t in timed.items() if c.residual == res), default=float("nan"))
                     for res in (True, False)}
-            default = mma.default_config(m, n, k)
-            t_default = timed.get(default, float("nan"))
+            default, sm90 = mma.default_config(m, n, k, gpus[0]), mma.default_config(m, n, k, gpus[-1])
+            t_default, t_sm90 = timed.get(default, float("nan")), timed.get(sm90, float("nan"))
             yb = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
             t_prep = bk.time_graph(lambda i: mma.gemm(dp4a.prepare(x, out=act), tern[i][0], tern[i][1], best, ws,
                                                       out=yb), copies, bk.calls_for(15))
@@ -163,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
             t_bf16 = bk.time_graph(lambda i: F.linear(x, dense[i]), len(dense), bk.calls_for(30))
             row = dict(layer=name, K=k, N=n, M=m, best=asdict(best), best_us=timed[best], err=err,
                        residual_us=fast[True], plain_us=fast[False], default=str(default), default_us=t_default,
+                       sm90_default_us=t_sm90,
                        with_prep_us=t_prep, today_us=t_today, today_route=str(linear.route(m, tws[0])),
                        bf16_us=t_bf16, floor_us=floor, all={str(c): t for c, t in timed.items()})
             rows.append(row)
             bk.say(f"  {name:8s} M={m:3d} mma {timed[best]:7.2f} µs ({best}, err {err:.1e}; residual "
-                   f"{fast[True]:.2f} plain {fast[False]:.2f}; default {t_default:.2f}) +prep {t_prep:7.2f}  "
+                   f"{fast[True]:.2f} plain {fast[False]:.2f}; default {t_default:.2f}, sm90's {t_sm90:.2f}) +prep {t_prep:7.2f}  "
                    f"today {t_today:7.2f}  bf16 {t_bf16:7.2f}  floor {floor:5.2f}")
             (out / "mma-gemm.json").write_text(json.dumps({"rows": rows, "failures": failures}, indent=1))
     lines = ["| layer | M | mma µs | + prep µs | today µs (route) | × today | bf16 µs | × bf16 (with prep) | "

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                 warps, rtiles, split, residual, *rest = (int(v) for v in config[0].split(","))
                 cfg = MmaConfig(warps, rtiles, split, bool(residual), *rest)
             else:
-                cfg = mma.default_config(m, n, k)
+                cfg = mma.default_config(m, n, k, mma.Gpu.of("cuda"))
             run = lambda: mma.gemm(act, packed, scales, cfg, ws)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=cfg.residual)
         err = bk.rel(run(), exact)

@@ -281,9 +281,10 @@ def compile_cuda(capability: int) -> list[Compiled]:
     from bonsai_vllm.ternary.kernels import linear, mma, stream_gemv
 
     instances = {}  # template name -> (config, column tiles) (the K split is a launch argument, not part of it)
+    gpu = mma.Gpu(capability, mma.RTX_5070.sms if capability // 10 == 12 else mma.H200.sms)  # the target's rule
     for k, n in LAYERS.values():
         for m in range(linear.DP4A_MAX_M + 1, linear.MMA_MAX_M + 1):
-            config = mma.default_config(m, n, k)
+            config = mma.default_config(m, n, k, gpu)
             for dt in (torch.bfloat16, torch.float32):
                 instances[mma.template(m, config, dt)] = (config, config.tiles(m))
     out = []

@@ -108,7 +108,7 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
     signs = None if rotated else torch.ones(k)
     tw = linear.prepare(packed, scales, signs, dp4a=False, mma=False)
     tw.dp4a = tuple(dp4a.default_config(n, k, r) for r in range(1, linear.DP4A_MAX_M + 1))
-    tw.mma = tuple(mma.default_config(r, n, k) for r in range(1, linear.MMA_MAX_M + 1))
+    tw.mma = tuple(mma.default_config(r, n, k, mma.Gpu(card.arch, card.sms)) for r in range(1, linear.MMA_MAX_M + 1))
     tw.stream = tuple(stream_gemv.default_config(n, k, r) for r in range(1, linear.STREAM_MAX_M + 1)) or None
     route = linear.route(m, tw)
     x = torch.randn(m, k, generator=g).bfloat16()

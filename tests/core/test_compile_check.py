@@ -15,13 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # Not importorskip: Triton must not be imported in this process before the kernel test modules switch its
 # interpreter on (it reads TRITON_INTERPRET once, when first imported).
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed: nothing to compile", allow_module_level=True)
 
-from tools.compile_check import SHARED_LIMIT, Compiled, ctas_per_sm, shared_for_ctas  # noqa: E402
+from tools.compile_check import LAYERS, SHARED_LIMIT, Compiled, ctas_per_sm, shared_for_ctas  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "plugin" / "bonsai_vllm"  # only dispatched kernels (measured-only variants are in benchmarks/)
@@ -61,9 +62,17 @@ def test_every_launch_fits_its_target(compiled):
     for c in compiled:
         assert c["registers"] > 0, c  # ptxas -v was read
         assert c["fits"], c
-    # the same configurations on both targets: the dispatch picks by shape, not by GPU
-    by_target = {t: sorted({(c["kernel"], c["constexprs"]) for c in compiled if c["target"] == t}) for t in (90, 120)}
+    # the same configurations on both targets (the dispatch picks by shape), but for the mma kernel, whose rule
+    # has a table per architecture: each target compiles its own rule's instances
+    by_target = {t: sorted({(c["kernel"], c["constexprs"]) for c in compiled if c["target"] == t
+                            and c["kernel"] != "ternary_mma"}) for t in (90, 120)}
     assert by_target[90] == by_target[120]
+    from bonsai_vllm.ternary.kernels import linear, mma
+
+    for target, gpu in ((90, mma.H200), (120, mma.RTX_5070)):
+        want = {mma.template(m, mma.default_config(m, n, k, gpu), dt) for k, n in LAYERS.values()
+                for m in range(linear.DP4A_MAX_M + 1, linear.MMA_MAX_M + 1) for dt in (torch.bfloat16, torch.float32)}
+        assert {c["constexprs"] for c in compiled if c["target"] == target and c["kernel"] == "ternary_mma"} == want
 
 
 def test_limits_catch_an_oversized_launch():

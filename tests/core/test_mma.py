@@ -91,6 +91,49 @@ def test_default_config_at_the_27bs_shapes(kern):
     assert kern.mma.default_config(kern.mma.MAX_ROWS + 1, 5120, 5120) is None
 
 
+def test_the_rtx_rule_at_the_27bs_shapes(kern):
+    mma = kern.mma
+    padded = mma.Gpu(120, 132)  # the sm_120 tables on the H200's SMs: the padded sweep's own setting
+    ms = (2, 8, 9, 16, 24, 32, 40, 48, 56, 64)
+    # one K slice everywhere but down_proj at 2-32 rows and gate_up at 9-24; on the RTX 5070's 48 SMs the
+    # slices aimed for scale down with the SMs
+    assert {name: [mma.default_config(m, n, k, padded).split for m in ms] for name, (k, n) in LAYERS.items()} == {
+        "gate_up": [1, 1, 4, 4, 4, 1, 1, 1, 1, 1], "down": [2, 2, 8, 8, 8, 8, 1, 1, 1, 1],
+        "qkv": [1] * 10, "o_proj": [1] * 10, "gdn_in": [1] * 10, "gdn_out": [1] * 10, "lm_head": [1] * 10}
+    assert [mma.default_config(m, 5120, 8704, mma.RTX_5070).split for m in ms] == [1, 1, 4, 4, 4, 4, 1, 1, 1, 1]
+    assert [mma.default_config(m, 17408, 5120, mma.RTX_5070).split for m in ms] == [1, 1, 2, 2, 2, 1, 1, 1, 1, 1]
+    # where the padded sweep ranked differently from the H200's: down_proj's 32-row CTAs at one column tile;
+    # eight warps with four one-group stages at 9-16 rows on the wide and deep layers; three batch warps at
+    # 17-24 rows on all but the wide layers
+    assert (mma.default_config(8, 5120, 8704, padded).warps, mma.default_config(8, 5120, 8704).warps) == (2, 4)
+    assert [(c.warps, c.stages, c.gps) for c in (mma.default_config(16, n, k, padded) for k, n in
+                                                 (LAYERS["gate_up"], LAYERS["down"]))] == [(8, 4, 1)] * 2
+    assert [mma.default_config(24, n, k, padded).wm for k, n in LAYERS.values()] == [1, 3, 3, 3, 3, 3, 1]
+    assert [mma.default_config(24, n, k).wm for k, n in LAYERS.values()] == [1] * 7
+    for gpu in (padded, mma.RTX_5070):
+        for name, (k, n) in LAYERS.items():
+            for m in range(1, mma.MAX_ROWS + 1):
+                cfg = mma.default_config(m, n, k, gpu)
+                tiles = cfg.tiles(m)
+                assert cfg.residual == (m <= mma.RESIDUAL_MAX_M)
+                assert cfg.fits(tiles) and tiles % cfg.wm == 0 and n % cfg.rows_per_cta() == 0, (name, m, cfg)
+                assert (k // 128) // cfg.split >= 2
+    # the H200's rule is the default and did not move
+    assert mma.default_config(16, 5120, 8704) == mma.default_config(16, 5120, 8704, mma.H200)
+    assert mma.default_config(16, 5120, 8704, mma.Gpu(90, 132)).split == 8
+
+
+def test_gpu_rule_override(kern, monkeypatch):
+    mma = kern.mma
+    monkeypatch.setattr(mma.nvrtc, "capability", lambda index: (9, 0))
+    monkeypatch.setattr(mma.nvrtc, "sm_count", lambda index: 132)
+    assert mma.Gpu.of("cuda:0") == mma.Gpu(90, 132) and not mma.Gpu.of("cuda:0").rtx50
+    assert mma.Gpu.of("cuda:0", "sm120") == mma.Gpu(120, 132) and mma.Gpu.of("cuda:0", "sm120").rtx50
+    assert mma.Gpu.of("cuda:0", "sm90") == mma.Gpu(90, 132)
+    monkeypatch.setattr(mma.nvrtc, "capability", lambda index: (12, 0))
+    assert mma.Gpu.of("cuda:0").rtx50 and not mma.Gpu.of("cuda:0", "sm90").rtx50
+
+
 def test_template_names_the_instance(kern):
     cfg = kern.mma.MmaConfig(warps=4, rtiles=1, split=8, residual=True, stages=2, gps=4)
     # the split is a launch argument: two splits share one compiled instance

@@ -15,7 +15,8 @@ Dispatch (by batch rows M = x.numel() / K and by device):
   dp4a GEMV (dp4a.py), which stores y in x's dtype: two launches;
 - M <= `MMA_MAX_M` (BONSAI_MMA_GEMM, on by default; CUDA tensors only: the kernel is CUDA C compiled by
   NVRTC; W8 not kept): the same activation prep as dp4a, then the int8 tensor-core kernel decoding the codes
-  in registers behind a cp.async pipeline (mma.cu; issue 19): two launches;
+  in registers behind a cp.async pipeline (mma.cu; issue 19), configured per row count by the tables of the
+  GPU's architecture (mma.default_config; BONSAI_MMA_RULE overrides): two launches;
 - M <= `GEMV_MAX_M` (2; 64 when W8 is not kept): rotation kernel writing x' in the GEMV's layout (or a
   reorder kernel when x comes rotated) + decode GEMV from the 2-bit codes (gemv.py): two launches (three
   for gate_up at M = 1, whose split-K sums its partials in a second small launch);
@@ -156,9 +157,11 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
 
         mma = settings.get("BONSAI_MMA_GEMM")
     if mma and packed.is_cuda:
+        from bonsai_vllm import settings
         from bonsai_vllm.ternary.kernels import mma as mma_kernels
 
-        configs = tuple(mma_kernels.default_config(rows, n, k) for rows in range(1, MMA_MAX_M + 1))
+        gpu = mma_kernels.Gpu.of(packed.device, settings.get("BONSAI_MMA_RULE"))  # the rule's tables and SMs
+        configs = tuple(mma_kernels.default_config(rows, n, k, gpu) for rows in range(1, MMA_MAX_M + 1))
         if None not in configs:
             tw.mma = configs
             for rows in range(DP4A_MAX_M + 1, MMA_MAX_M + 1):  # compiled and loaded now, not inside a capture
