@@ -318,13 +318,37 @@ def _sync():
         torch.cuda.synchronize()
 
 
+# A CUDA green context (on_sms) and its stream: graphs are then captured and replayed on that stream, so every
+# timed kernel runs on the context's SMs only. The context is kept here: its stream dies with it.
+GREEN_CONTEXT = GREEN_STREAM = None
+
+
+def on_sms(sms: int) -> None:
+    """Time everything from here on `sms` SMs of the GPU (a green context; PyTorch >= 2.9, sm_90 and later):
+    with the RTX occupancy padding, the closest the H200 comes to an RTX 5070's 48 SMs (its bandwidth and
+    clocks stay the H200's)."""
+    global GREEN_CONTEXT, GREEN_STREAM
+    from torch.cuda import green_contexts
+
+    GREEN_CONTEXT = green_contexts.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+    GREEN_STREAM = GREEN_CONTEXT.Stream()
+
+
 def time_graph(fn, copies: int, calls: int, reps: int = 10) -> float:
-    """Median µs per call of fn(i), i cycling over `copies` buffer sets, replayed from one CUDA graph."""
+    """Median µs per call of fn(i), i cycling over `copies` buffer sets, replayed from one CUDA graph (on the
+    green context's SMs after on_sms)."""
     if SMOKE:  # CPU dry run of the bench's code paths: run once, report a dummy time
         fn(0)
         return 1.0
+    if GREEN_STREAM is not None:
+        with torch.cuda.stream(GREEN_STREAM):
+            return _time_graph_on(fn, copies, calls, reps, GREEN_STREAM)
+    return _time_graph_on(fn, copies, calls, reps, None)
+
+
+def _time_graph_on(fn, copies: int, calls: int, reps: int, capture_stream) -> float:
     calls = max(calls, copies)
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream() if capture_stream is None else capture_stream
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for i in range(min(copies, 3)):  # compile / warm up outside the capture
@@ -332,7 +356,7 @@ def time_graph(fn, copies: int, calls: int, reps: int = 10) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=capture_stream):
         for i in range(calls):
             fn(i % copies)
     graph.replay()

@@ -14,7 +14,8 @@ On the GPU, for the six per-rank layers of the 27B and batch rows M:
 RTX 50 card's SM would (sm_120's 100 KB of shared memory and 1,536 threads per SM, its own register count): the
 H200's 228 KB per SM otherwise ranks configurations by an occupancy the target never has. The SM count (132
 against the RTX 5070's 48) is not emulated. The "default" is then the sm_120 rule (mma.default_config's RTX
-tables, at this GPU's SM count), timed beside the sm_90 rule.
+tables, at this GPU's SM count), timed beside the sm_90 rule. `--sms 48` also runs every timing on 48 SMs (a
+CUDA green context), and the rules take 48 SMs: then only the H200's bandwidth and clocks remain.
 The last lines are a table (docs/benchmarks.md keeps it) and the list of check failures."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=1e9, help="seconds of checks and timings, then the table")
     ap.add_argument("--rtx-occupancy", action="store_true",
                     help="pad shared memory so an H200 SM holds as many CTAs as an sm_120 SM would")
+    ap.add_argument("--sms", type=int, default=0,
+                    help="time on this many SMs (a green context; with --rtx-occupancy: 48 for the RTX 5070)")
     ap.add_argument("--min-shared", type=int, default=0,
                     help="sweep only configurations above this many bytes of shared memory (and the default)")
     args = ap.parse_args(argv)
@@ -98,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     # The rule timed as "default": this GPU's own, or with --rtx-occupancy the sm_120 tables on this GPU's SMs
     # (the sm_90 rule is timed beside it).
     gpus = (mma.Gpu.of(dev, "sm120"), mma.Gpu.of(dev, "sm90")) if args.rtx_occupancy else (mma.Gpu.of(dev),)
+    if args.sms:
+        bk.on_sms(args.sms)
+        gpus = tuple(replace(g, sms=args.sms) for g in gpus)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.

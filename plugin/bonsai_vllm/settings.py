@@ -173,8 +173,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BONSAI_MMA_RULE", "choice", "auto",
             "Which tables pick the mma kernel's configuration per row count (ternary/kernels/mma.py): auto (the "
             "GPU's own: sm120 on the RTX 50 series, sm90 elsewhere), sm90 (from the H200's sweeps) or sm120 (from "
-            "the H200 sweeps run at an RTX 50 card's occupancy; 1.0-1.46x faster there than sm90's, measured "
-            "that way, issue 19). Only the speed changes: the error bounds are the same.",
+            "H200 sweeps at an RTX 50 card's occupancy, on 48 SMs up to 24 rows: 1.0-1.65x faster there than "
+            "sm90's at 8-48 rows, measured that way; issue 19). Only the speed changes: the error bounds are the "
+            "same.",
             "ternary/kernels/linear.py", choices=("auto", "sm90", "sm120")),
     Setting("BONSAI_CODES_GEMM", "bool", True,
             "Prefill chunks of 65 to 512 rows with the int8 weights W8 not kept (12 GB cards) through the int8 "

@@ -93,24 +93,29 @@ def test_default_config_at_the_27bs_shapes(kern):
 
 def test_the_rtx_rule_at_the_27bs_shapes(kern):
     mma = kern.mma
-    padded = mma.Gpu(120, 132)  # the sm_120 tables on the H200's SMs: the padded sweep's own setting
-    ms = (2, 8, 9, 16, 24, 32, 40, 48, 56, 64)
-    # one K slice everywhere but down_proj at 2-32 rows and gate_up at 9-24; on the RTX 5070's 48 SMs the
-    # slices aimed for scale down with the SMs
-    assert {name: [mma.default_config(m, n, k, padded).split for m in ms] for name, (k, n) in LAYERS.items()} == {
-        "gate_up": [1, 1, 4, 4, 4, 1, 1, 1, 1, 1], "down": [2, 2, 8, 8, 8, 8, 1, 1, 1, 1],
-        "qkv": [1] * 10, "o_proj": [1] * 10, "gdn_in": [1] * 10, "gdn_out": [1] * 10, "lm_head": [1] * 10}
-    assert [mma.default_config(m, 5120, 8704, mma.RTX_5070).split for m in ms] == [1, 1, 4, 4, 4, 4, 1, 1, 1, 1]
-    assert [mma.default_config(m, 17408, 5120, mma.RTX_5070).split for m in ms] == [1, 1, 2, 2, 2, 1, 1, 1, 1, 1]
-    # where the padded sweep ranked differently from the H200's: down_proj's 32-row CTAs at one column tile;
-    # eight warps with four one-group stages at 9-16 rows on the wide and deep layers; three batch warps at
-    # 17-24 rows on all but the wide layers
-    assert (mma.default_config(8, 5120, 8704, padded).warps, mma.default_config(8, 5120, 8704).warps) == (2, 4)
-    assert [(c.warps, c.stages, c.gps) for c in (mma.default_config(16, n, k, padded) for k, n in
-                                                 (LAYERS["gate_up"], LAYERS["down"]))] == [(8, 4, 1)] * 2
-    assert [mma.default_config(24, n, k, padded).wm for k, n in LAYERS.values()] == [1, 3, 3, 3, 3, 3, 1]
-    assert [mma.default_config(24, n, k).wm for k, n in LAYERS.values()] == [1] * 7
-    for gpu in (padded, mma.RTX_5070):
+    rtx = mma.RTX_5070
+    ms = (2, 8, 9, 16, 17, 24, 32, 40, 48, 56, 64)
+    # on the RTX 5070's 48 SMs one K slice everywhere but qkv / GDN-in at 17-24 rows (eight warps, four slices)
+    assert {name: [mma.default_config(m, n, k, rtx).split for m in ms] for name, (k, n) in LAYERS.items()} == {
+        "gate_up": [1] * 11, "down": [1] * 11, "qkv": [1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1], "o_proj": [1] * 11,
+        "gdn_in": [1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1], "gdn_out": [1] * 11, "lm_head": [1] * 11}
+    # the aims are CTAs per SM: on the H200's 132 SMs the same table asks for more slices
+    assert mma.default_config(24, 7168, 5120, mma.Gpu(120, 132)).split == 8
+    # the classes: qkv and GDN-in (other) on 32-row CTAs up to 16 rows; o_proj and GDN-out (shallow) and
+    # down_proj (deep) on eight warps, three stages at one column tile; two 16-row tiles per warp at 17-24 rows
+    # on all but the other class
+    layout = {name: [(c.warps, c.rtiles, c.stages) for c in (mma.default_config(m, n, k, rtx) for m in (8, 16, 24))]
+              for name, (k, n) in LAYERS.items()}
+    assert layout["qkv"] == layout["gdn_in"] == [(2, 1, 2), (2, 1, 2), (8, 1, 4)]
+    assert layout["o_proj"] == layout["gdn_out"] == [(8, 1, 3), (4, 2, 3), (4, 2, 2)]
+    assert layout["down"] == [(8, 1, 3), (4, 1, 2), (4, 2, 2)]
+    assert layout["gate_up"] == layout["lm_head"] == [(4, 1, 2), (4, 1, 2), (4, 2, 2)]
+    # from 33 rows (the padded sweep on 132 SMs) the classes agree but on the wide layers (and down_proj at
+    # 49-56 rows: one batch warp)
+    for m in (40, 48, 64):
+        assert len({mma.default_config(m, n, k, rtx) for name, (k, n) in LAYERS.items()
+                    if name not in ("gate_up", "lm_head")}) == 1
+    for gpu in (mma.Gpu(120, 132), rtx):
         for name, (k, n) in LAYERS.items():
             for m in range(1, mma.MAX_ROWS + 1):
                 cfg = mma.default_config(m, n, k, gpu)
@@ -118,9 +123,9 @@ def test_the_rtx_rule_at_the_27bs_shapes(kern):
                 assert cfg.residual == (m <= mma.RESIDUAL_MAX_M)
                 assert cfg.fits(tiles) and tiles % cfg.wm == 0 and n % cfg.rows_per_cta() == 0, (name, m, cfg)
                 assert (k // 128) // cfg.split >= 2
-    # the H200's rule is the default and did not move
+    # the H200's rule is the default
     assert mma.default_config(16, 5120, 8704) == mma.default_config(16, 5120, 8704, mma.H200)
-    assert mma.default_config(16, 5120, 8704, mma.Gpu(90, 132)).split == 8
+    assert mma.default_config(16, 5120, 8704).split == 8
 
 
 def test_gpu_rule_override(kern, monkeypatch):

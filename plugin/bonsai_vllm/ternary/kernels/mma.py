@@ -113,11 +113,10 @@ class Gpu:
 
 H200 = Gpu(90, 132)
 RTX_5070 = Gpu(120, 48)  # the target card of a 12 GB pair (docs/benchmarks.md's RTX model)
-SWEPT_SMS = 132  # the tables' K-slice aims are CTAs on the H200's 132 SMs, where both tables were swept
 
 # Per column tiles T (8 batch rows each) and layer class: (warps along the output rows, row tiles per warp,
-# stages, groups per stage, warps along the batch, CTAs the K slices aim for on SWEPT_SMS SMs, fewest groups
-# of 128 in a slice).
+# stages, groups per stage, warps along the batch, CTAs per SM the K slices aim for, fewest groups of 128 in a
+# slice).
 #
 # The H200's tables, from its sweeps (benchmarks/mma_gemm.py, 6 shapes, docs/benchmarks.md). Up to 24 rows (the
 # lean-copy kernel's sweep, static shared memory): two stages of four groups on four warps, and from 9 rows one K
@@ -127,51 +126,61 @@ SWEPT_SMS = 132  # the tables' K-slice aims are CTAs on the H200's 132 SMs, wher
 # on all but the wide layer (gate_up, whose CTAs are many enough: one batch warp, two 16-row tiles per warp at
 # 41-48 rows), and three stages at 33-40 rows (five column tiles, no batch split). At 25-32 rows the other layers
 # take two batch warps, within 0.5 % of four, whose sm_120 build spills 8 bytes. Per row count and class the rule
-# is the sweep's fastest configuration (the classes' other layers within 1 %).
-_OTHER = {1: (4, 1, 2, 4, 1, 384, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 2, 4, 2, 0, 2),
+# is the sweep's fastest configuration (the classes' other layers within 1 %). The shallow layers rank as the
+# other class does.
+_OTHER = {1: (4, 1, 2, 4, 1, 3, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 2, 4, 2, 0, 2),
           5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
 _WIDE = {**_OTHER, 4: (4, 1, 2, 4, 1, 0, 2), 5: (4, 1, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 1, 0, 2)}
-_DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 1056, 6), 3: (4, 1, 2, 4, 1, 1056, 12), 4: (4, 1, 2, 4, 2, 1056, 6),
-         5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 1056, 6), 7: (4, 1, 2, 4, 4, 1056, 6),
-         8: (4, 1, 2, 4, 4, 1056, 6)}
-# The RTX 50's tables, from the H200 sweeps with each launch's shared memory padded so that an SM holds as many
-# CTAs of the instance as an sm_120 SM would (`bench-mma --rtx-occupancy`, fourteenth session): per class and T
-# the fastest configuration whose sm_120 build does not spill (at 24 and 40-48 rows on the wide layer two row
-# tiles per warp spill 8-24 bytes there; the next is 1.02-1.04x slower on the padded H200). Against the H200's
-# rule under the same padding: 1.0-1.33x faster on down_proj, 1.0-1.24x on gate_up, up to 1.46x on the other
-# layers at one column tile (one K slice instead of four). The shallow layers (o_proj, GDN-out: 24 groups)
-# ranked as the other class did at every T. The SM count was not emulated: the aims scale by it (not measured).
-_RTX_OTHER = {1: (4, 1, 2, 4, 1, 0, 2), 2: (4, 1, 2, 4, 2, 0, 2), 3: (4, 1, 2, 4, 3, 0, 2), 4: (4, 1, 2, 4, 2, 0, 2),
+_DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (4, 1, 2, 4, 1, 8, 12), 4: (4, 1, 2, 4, 2, 8, 6),
+         5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 8, 6), 7: (4, 1, 2, 4, 4, 8, 6), 8: (4, 1, 2, 4, 4, 8, 6)}
+# The RTX 50's tables, from sweeps on the H200 with each launch's shared memory padded so that an SM holds as
+# many CTAs of the instance as an sm_120 SM would (`bench-mma --rtx-occupancy`, fourteenth session). Up to 24
+# rows (and 32 on the wide layer) the sweep also ran on 48 SMs (`--sms 48`, a green context: the RTX 5070's
+# count): there one K slice won on every layer but qkv at 17-24 rows, and two 16-row tiles per warp at 17-24
+# rows on all but qkv; per class the fastest configuration whose sm_120 build does not spill. From 25 rows the
+# entries come from the padded sweep on all 132 SMs, where they took one slice too (down_proj's 25-32-row entry
+# is the other class's, 1.04x its best there, which took eight slices); the wide layer's at 41-48 rows is the
+# H200's, 1.19x faster on 48 SMs than the 132-SM sweep's choice. Timed on 48 padded SMs, this rule against the
+# H200's: 1.0-1.65x faster at 8-48 rows on every layer (docs/benchmarks.md). Rows 25-64 were never swept on
+# 48 SMs; the H200's bandwidth and clocks stay.
+_RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (8, 1, 4, 1, 1, 4, 4), 4: (4, 1, 2, 4, 2, 0, 2),
               5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
-_RTX_WIDE = {**_RTX_OTHER, 2: (8, 1, 4, 1, 1, 544, 4), 3: (8, 1, 4, 1, 1, 544, 4), 4: (4, 2, 2, 4, 1, 0, 2),
-             5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 2, 4, 1, 1, 0, 2)}
-_RTX_DEEP = {**_RTX_OTHER, 1: (2, 1, 2, 4, 1, 320, 6), 2: (8, 1, 4, 1, 1, 320, 6), 3: (4, 1, 2, 4, 3, 640, 6),
-             4: (4, 1, 4, 1, 2, 640, 6), 7: (4, 1, 2, 4, 1, 0, 2)}
+_RTX_SHALLOW = {**_RTX_OTHER, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 2, 3, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2)}
+_RTX_WIDE = {**_RTX_OTHER, 1: (4, 1, 2, 4, 1, 0, 2), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2),
+             4: (4, 2, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 1, 0, 2)}
+_RTX_DEEP = {**_RTX_OTHER, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2),
+             7: (4, 1, 2, 4, 1, 0, 2)}
+_TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _OTHER, "other": _OTHER},
+           True: {"deep": _RTX_DEEP, "wide": _RTX_WIDE, "shallow": _RTX_SHALLOW, "other": _RTX_OTHER}}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
 DEEP_GROUPS = 64  # groups of 128 inputs from which a layer is "deep" (down_proj's 68 per rank)
+SHALLOW_GROUPS = 32  # groups below which a layer is "shallow" (o_proj's and GDN-out's 24 per rank)
+
+
+def layer_class(n: int, k: int) -> str:
+    groups = k // GROUP
+    return ("deep" if groups >= DEEP_GROUPS else "wide" if n >= WIDE_N else
+            "shallow" if groups < SHALLOW_GROUPS else "other")
 
 
 def default_config(m: int, n: int, k: int, gpu: Gpu = H200) -> MmaConfig | None:
     """The configuration for m rows through a layer of N outputs and K inputs on `gpu`; None where the kernel
     does not apply (K not an even number of groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
 
-    The layout from the table of the GPU's architecture and the layer's class (other; wide for N >= WIDE_N;
-    deep for K >= DEEP_GROUPS groups) and column tiles; K slices: the fewest (a power of two, with at least the
-    table's groups each) that give the CTAs aimed for, scaled from SWEPT_SMS to the GPU's SMs."""
+    The layout from the table of the GPU's architecture and the layer's class (`layer_class`) and column tiles;
+    K slices: the fewest (a power of two, with at least the table's groups each) that give the CTAs per SM
+    aimed for on the GPU's SMs."""
     if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
     groups = k // GROUP
-    deep, wide, other = (_RTX_DEEP, _RTX_WIDE, _RTX_OTHER) if gpu.rtx50 else (_DEEP, _WIDE, _OTHER)
-    table = deep if groups >= DEEP_GROUPS else wide if n >= WIDE_N else other
-    warps, rtiles, stages, gps, wm, ctas, min_groups = table[-(-m // 8)]
+    warps, rtiles, stages, gps, wm, per_sm, min_groups = _TABLES[gpu.rtx50][layer_class(n, k)][-(-m // 8)]
     cfg = MmaConfig(warps=warps, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps,
                     wm=wm)
     if n % cfg.rows_per_cta():
         return None
     tiles_n = n // cfg.rows_per_cta()
-    aim = ctas * gpu.sms / SWEPT_SMS
     split = 1
-    while tiles_n * split < aim and groups // (split * 2) >= min_groups:
+    while tiles_n * split < per_sm * gpu.sms and groups // (split * 2) >= min_groups:
         split *= 2
     return replace(cfg, split=split)
 
