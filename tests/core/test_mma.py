@@ -63,7 +63,7 @@ def test_residual_and_plain_errors_against_float32(kern):
 def test_default_config_at_the_27bs_shapes(kern):
     ms = (2, 8, 9, 24, 32, 48, 64)
     splits = {name: [kern.mma.default_config(m, n, k).split for m in ms] for name, (k, n) in LAYERS.items()}
-    # the H200 sweeps' rule (docs/benchmarks.md): one column tile: the fewest K slices that give >= 384 CTAs
+    # the H200 sweeps' rule (docs/benchmarks.md): one column tile: the fewest K slices giving 3 CTAs per SM
     # (>= 4 groups each); from two, one slice, except on the deep layer (down_proj: 4-8 slices but at 33-40 rows)
     assert splits == {"gate_up": [2, 2, 1, 1, 1, 1, 1], "down": [8, 8, 8, 4, 8, 8, 8], "qkv": [4, 4, 1, 1, 1, 1, 1],
                       "o_proj": [4, 4, 1, 1, 1, 1, 1], "gdn_in": [4, 4, 1, 1, 1, 1, 1],
