@@ -10,6 +10,7 @@ It is compiled at run time by NVRTC (bonsai_vllm.nvrtc: the CUDA runtime compile
 carry), for the GPU it runs on, once per template instance and process: the serving image needs no nvcc, and
 `make compile-check` compiles it for sm_90 and sm_120 on a machine without a GPU.
 
+    config = default_config(m, n, k, Gpu.of(device))  # once per layer and row count, at load
     act = dp4a.prepare(xr)                # or hadamard.rotate_dp4a(x, signs): the activations' int8 and scales
     y = gemm(act, packed, scales, config, workspace, out=y)
 
@@ -98,7 +99,7 @@ class Gpu:
     @property
     def rtx50(self) -> bool:
         """sm_120 / sm_121: 100 KB of shared memory and 1,536 threads per SM, so fewer CTAs of each instance
-        at once than on the H200 (228 KB, 2,048): the instances rank differently there."""
+        at once than on the H200 (228 KB, 2,048), and far fewer SMs: the instances rank differently there."""
         return self.capability // 10 == 12
 
     @classmethod
