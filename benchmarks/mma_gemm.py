@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             t_today = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=True), copies,
                                     bk.calls_for(30))
             t_bf16 = bk.time_graph(lambda i: F.linear(x, dense[i]), len(dense), bk.calls_for(30))
-            row = dict(layer=name, K=k, N=n, M=m, best=asdict(best), best_us=timed[best], err=err,
+            row = dict(layer=name, K=k, N=n, M=m, sms=gpus[0].sms, rtx_occupancy=args.rtx_occupancy,
+                       best=asdict(best), best_us=timed[best], err=err,
                        residual_us=fast[True], plain_us=fast[False], default=str(default), default_us=t_default,
                        sm90_default_us=t_sm90,
                        with_prep_us=t_prep, today_us=t_today, today_route=str(linear.route(m, tws[0])),

@@ -50,6 +50,14 @@ class MmaConfig:
         return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)} "
                 f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else ""))
 
+    @classmethod
+    def parse(cls, text: str) -> "MmaConfig":
+        """The configuration `str(config)` printed (bench-mma's JSON keys its timings by it)."""
+        fields = dict(part.split("=") for part in text.split())
+        return cls(warps=int(fields["warps"]), rtiles=int(fields["rtiles"]), split=int(fields["split"]),
+                   residual=fields["residual"] == "1", stages=int(fields["stages"]), gps=int(fields["gps"]),
+                   wm=int(fields.get("wm", 1)))
+
     def tiles(self, m: int) -> int:
         """Column tiles of the instance that runs m rows: 8 rows each, rounded up to a multiple of wm, and seven
         up to eight (the seven-tile instance ran 1.04-1.15x slower than the eight-tile one on the H200 at every
@@ -141,7 +149,8 @@ _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (4, 1, 2, 4, 1, 8, 12), 4: (4, 1
 # rows on all but qkv; per class the fastest configuration whose sm_120 build does not spill. From 25 rows the
 # entries come from the padded sweep on all 132 SMs, where they took one slice too (down_proj's 25-32-row entry
 # is the other class's, 1.04x its best there, which took eight slices); the wide layer's at 41-48 rows is the
-# H200's, 1.19x faster on 48 SMs than the 132-SM sweep's choice. Timed on 48 padded SMs, this rule against the
+# H200's, 1.19x faster on 48 SMs than the 132-SM sweep's choice (`python -m tools.fit_mma_rule` on the 48-SM
+# sweeps' JSON gives the entries up to 24 rows again). Timed on 48 padded SMs, this rule against the
 # H200's: 1.0-1.65x faster at 8-48 rows on every layer (docs/benchmarks.md). Rows 25-64 were never swept on
 # 48 SMs; the H200's bandwidth and clocks stay.
 _RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (8, 1, 4, 1, 1, 4, 4), 4: (4, 1, 2, 4, 2, 0, 2),
@@ -179,11 +188,16 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200) -> MmaConfig | None:
                     wm=wm)
     if n % cfg.rows_per_cta():
         return None
-    tiles_n = n // cfg.rows_per_cta()
+    return replace(cfg, split=k_slices(n // cfg.rows_per_cta(), groups, per_sm, min_groups, gpu.sms))
+
+
+def k_slices(row_tiles: int, groups: int, per_sm: float, min_groups: int, sms: int) -> int:
+    """The fewest K slices (a power of two) that give `row_tiles` CTA row tiles at least `per_sm` CTAs per SM on
+    `sms` SMs, as long as each slice keeps `min_groups` groups of 128 inputs."""
     split = 1
-    while tiles_n * split < per_sm * gpu.sms and groups // (split * 2) >= min_groups:
+    while row_tiles * split < per_sm * sms and groups // (split * 2) >= min_groups:
         split *= 2
-    return replace(cfg, split=split)
+    return split
 
 
 def template(rows: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
