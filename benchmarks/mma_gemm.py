@@ -63,16 +63,15 @@ def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0,
 def rtx_shared(m: int, config: MmaConfig) -> int | None:
     """The dynamic shared memory at which an H200 SM holds as many CTAs of this instance as an sm_120 SM would
     (registers of each target's own build, from cuobjdump), or None where it holds no more already."""
-    from tools.compile_check import _RESOURCES, ctas_per_sm, dump_cubin, shared_for_ctas
+    from tools.compile_check import ctas_per_sm, resources, shared_for_ctas
 
     name = mma.template(m, config, torch.float32)
     threads = 32 * config.warps * config.wm
     dynamic = config.shared_bytes(config.tiles(m))
     held = {}
     for target in (90, 120):
-        res = _RESOURCES.search(dump_cubin(mma.compile_instance(name, str(target))[0], "--dump-resource-usage"))
-        static = int(res.group("shared"))
-        held[target] = (ctas_per_sm(target, threads, int(res.group("regs")), static + dynamic), static)
+        res = resources(mma.compile_instance(name, str(target))[0])
+        held[target] = (ctas_per_sm(target, threads, res.registers, res.static_shared + dynamic), res.static_shared)
     (h200, static), (rtx, _) = held[90], held[120]
     if rtx >= h200:
         return None

@@ -273,6 +273,20 @@ def dump_cubin(cubin: bytes, *flags: str) -> str:
         return subprocess.run([str(cuobjdump()), *flags, f.name], capture_output=True, text=True, check=True).stdout
 
 
+@dataclass(frozen=True)
+class Resources:
+    """What a one-kernel cubin (NVRTC's) asks of an SM, as cuobjdump reports it."""
+
+    registers: int
+    static_shared: int  # bytes; the launch adds its dynamic shared memory
+    spill_bytes: int  # stack + local memory
+
+
+def resources(cubin: bytes) -> Resources:
+    m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
+    return Resources(int(m.group("regs")), int(m.group("shared")), int(m.group("stack")) + int(m.group("local")))
+
+
 def compile_cuda(capability: int) -> list[Compiled]:
     """The CUDA C kernels (ternary/kernels/mma.cu, stream_gemv.cu), which NVRTC compiles at load: every instance the dispatch
     launches at the six layers' shapes (the rows of the mma route, y in bf16 and in float32 for a bias), as a
@@ -289,11 +303,9 @@ def compile_cuda(capability: int) -> list[Compiled]:
                 instances[mma.template(m, config, dt)] = (config, config.tiles(m))
     out = []
     for name, (config, tiles) in sorted(instances.items()):
-        cubin, _ = mma.compile_instance(name, str(capability))
-        m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
+        r = resources(mma.compile_instance(name, str(capability))[0])
         out.append(Compiled("ternary_mma", capability, config.warps * config.wm, config.stages,
-                            int(m.group("shared")) + config.shared_bytes(tiles), int(m.group("regs")),
-                            int(m.group("stack")) + int(m.group("local")), name))
+                            r.static_shared + config.shared_bytes(tiles), r.registers, r.spill_bytes, name))
     # the one-row streaming GEMV (its shared memory is dynamic: the warp sums of the largest row range, which
     # the RTX 5070's 48 SMs give)
     streams = {}
@@ -305,12 +317,10 @@ def compile_cuda(capability: int) -> list[Compiled]:
             for dt in (torch.bfloat16, torch.float32):
                 streams[stream_gemv.template(config, rows, k, dt)] = (config, rows, k, n)
     for name, (config, rows, k, n) in sorted(streams.items()):
-        cubin, _ = stream_gemv.compile_instance(name, str(capability))
-        m = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
+        r = resources(stream_gemv.compile_instance(name, str(capability))[0])
         _, cap = stream_gemv.grid(config, n, k, 48, rows)
         out.append(Compiled("ternary_stream_gemv", capability, config.warps(k), 1,
-                            int(m.group("shared")) + 4 * config.warps(k) * rows * cap, int(m.group("regs")),
-                            int(m.group("stack")) + int(m.group("local")), name))
+                            r.static_shared + 4 * config.warps(k) * rows * cap, r.registers, r.spill_bytes, name))
     return out
 
 

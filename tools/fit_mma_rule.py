@@ -83,15 +83,11 @@ def spills_on(target: int) -> Callable[[int, MmaConfig], bool]:
     """Whether the instance for m rows spills (stack or local memory) when built for sm_<target>."""
     import torch
 
-    from tools.compile_check import _RESOURCES, dump_cubin
+    from tools.compile_check import resources
 
     def spills(m: int, config: MmaConfig) -> bool:
-        for dt in (torch.bfloat16, torch.float32):
-            cubin, _ = mma.compile_instance(mma.template(m, config, dt), str(target))
-            res = _RESOURCES.search(dump_cubin(cubin, "--dump-resource-usage"))
-            if int(res.group("stack")) + int(res.group("local")):
-                return True
-        return False
+        return any(resources(mma.compile_instance(mma.template(m, config, dt), str(target))[0]).spill_bytes
+                   for dt in (torch.bfloat16, torch.float32))
 
     return spills
 

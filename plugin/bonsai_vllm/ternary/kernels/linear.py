@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bonsai_vllm import settings
 from bonsai_vllm.triton_runtime import usable
 from bonsai_vllm.ternary.reference import dequantize
 
@@ -141,8 +142,6 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     if expand_int8:
         tw.w_int8 = _expand(tw)
     if dp4a is None:
-        from bonsai_vllm import settings
-
         dp4a = settings.get("BONSAI_DP4A_GEMV")
     if dp4a and usable(packed):
         from bonsai_vllm.ternary.kernels import dp4a as dp4a_kernels
@@ -153,11 +152,8 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
             for rows, config in enumerate(configs, 1):
                 dp4a_kernels.reserve(packed.device, n, config, kw, rows)
     if mma is None:
-        from bonsai_vllm import settings
-
         mma = settings.get("BONSAI_MMA_GEMM")
     if mma and packed.is_cuda:
-        from bonsai_vllm import settings
         from bonsai_vllm.ternary.kernels import mma as mma_kernels
 
         gpu = mma_kernels.Gpu.of(packed.device, settings.get("BONSAI_MMA_RULE"))  # the rule's tables and SMs
@@ -168,8 +164,6 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
                 mma_kernels.reserve(packed.device, n, k, configs[rows - 1], rows)
                 mma_kernels.kernel(rows, configs[rows - 1], torch.bfloat16, packed.device)
     if stream is None:
-        from bonsai_vllm import settings
-
         stream = settings.get("BONSAI_STREAM_GEMV")
     if stream and packed.is_cuda:
         from bonsai_vllm.ternary.kernels import stream_gemv
@@ -180,8 +174,6 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
                 stream_gemv.launch_shape(config, rows, n, k, torch.bfloat16, packed.device)
         tw.stream = configs if any(configs) else None
     if codes is None:
-        from bonsai_vllm import settings
-
         codes = settings.get("BONSAI_CODES_GEMM")
     tw.codes = bool(codes)
     return tw
