@@ -146,8 +146,10 @@ def compile_only(capability: int, results: list[Compiled], cubins: dict | None =
         return launch
 
     saved = (JITFunction.__getitem__, _triton.usable, linear.usable, dp4a.early_launch, hadamard.early_launch)
-    cache = tempfile.mkdtemp(prefix="bonsai-compile-check-")
-    env = {"TRITON_CACHE_DIR": cache, "TRITON_DUMP_PTXAS_LOG": "1"}
+    # a fresh cache so every kernel compiles (and ptxas prints); removed after (12 MB a block, and the tests
+    # and make compile-check run several blocks a run)
+    cache = tempfile.TemporaryDirectory(prefix="bonsai-compile-check-", ignore_cleanup_errors=True)
+    env = {"TRITON_CACHE_DIR": cache.name, "TRITON_DUMP_PTXAS_LOG": "1"}
     old_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     previous_driver = driver._active  # None on a machine without a GPU: reset_active() would raise there
@@ -166,6 +168,7 @@ def compile_only(capability: int, results: list[Compiled], cubins: dict | None =
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        cache.cleanup()
 
 
 def drive_ternary() -> None:
