@@ -20,7 +20,10 @@ What runs from the images:
   writing the model directory into a volume as uid 1000.
 
 The images stay in podman's store between runs (layers cached); the first build of the serving image
-downloads vLLM's CUDA wheels (~5 GB) and takes several minutes.
+downloads vLLM's CUDA wheels (~5 GB) and takes several minutes. That build took 31 GB more disk at its peak than
+before it (measured 2026-12-03: the wheels, and the 8.9 GB pip layer written more than once as it is committed) and
+keeps 9.5 GB, so after this module old builds are pruned and, where less than KEEP_IMAGES_FREE_GB would stay free,
+the serving image is removed too: the rest of the suite gets the room back (a CI run ran out of disk after it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -43,6 +47,7 @@ GATEWAY_IMAGE = "localhost/bonsai-gateway:test"
 HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 PODMAN = ["podman", "--cgroup-manager=cgroupfs"]
 SETUP_FLAKE = "sealing memfd copy: Device or resource busy"  # a RUN step's sandbox not set up (see build())
+KEEP_IMAGES_FREE_GB = 40  # below this much free disk the serving image is not kept for the next run
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +123,23 @@ class Container:
         podman("rm", "-f", self.id, check=False)
 
 
-@pytest.fixture(scope="session")
+def free_gb_in_store() -> float:
+    root = podman("info", "--format", "{{.Store.GraphRoot}}").stdout.strip()
+    return shutil.disk_usage(root).free / 2**30
+
+
+def give_disk_back(image: str) -> None:
+    """Old builds of the images (untagged) go; `image` too where keeping it would leave little disk free."""
+    podman("image", "prune", "-f", check=False)
+    free = free_gb_in_store()
+    if free < KEEP_IMAGES_FREE_GB:
+        podman("rmi", "-f", image, check=False)
+        podman("image", "prune", "-f", check=False)
+        warnings.warn(f"{image} removed: {free:.0f} GB free with it, under {KEEP_IMAGES_FREE_GB} GB; the next run "
+                      f"builds it again ({free_gb_in_store():.0f} GB free now)", stacklevel=1)
+
+
+@pytest.fixture(scope="module")
 def gateway(base_image, tmp_path_factory):
     build(GATEWAY_IMAGE, REPO / "proxy", base_image, tmp_path_factory.mktemp("logs") / "gateway-build.log")
     c = Container(GATEWAY_IMAGE)
@@ -126,12 +147,13 @@ def gateway(base_image, tmp_path_factory):
     c.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # module: its teardown frees the disk before the rest of the suite runs
 def serving(base_image, tmp_path_factory):
     build(VLLM_IMAGE, REPO, base_image, tmp_path_factory.mktemp("logs") / "vllm-build.log")
     c = Container(VLLM_IMAGE)
     yield c
     c.close()
+    give_disk_back(VLLM_IMAGE)
 
 
 def healthcheck_programs(dockerfile: Path) -> list[str]:
