@@ -49,13 +49,14 @@ def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0,
     if quick:
         return defaults
     residual = (m <= mma.RESIDUAL_MAX_M,)  # the rule's choice: the sweep times the instances it can serve
-    tiles = -(-m // 8)
+    # the instance m rows run without batch warps (seven column tiles run eight); batch warps must divide its tiles
+    tiles = MmaConfig(4, 1, 1, False).tiles(m)
     layouts = [(w, r, 1) for w, r in ((2, 1), (4, 1), (4, 2), (8, 1))]  # (2, 1): 32-row CTAs, twice the CTAs
-    layouts += [(4, r, wm) for r in (1, 2) for wm in (2, 3, 4)]  # fits() drops wm not dividing the tiles
+    layouts += [(4, r, wm) for r in (1, 2) for wm in (2, 3, 4)]
     pipes = ((4, 1), (6, 1), (8, 1), (3, 2), (4, 2), (5, 2), (2, 4), (3, 4))  # (stages, groups per stage)
     cands = [c for c in (MmaConfig(w, r, s, res, st, gps, wm) for w, r, wm in layouts for s in (1, 2, 4, 8)
                          for res in residual for st, gps in pipes)
-             if c.fits(tiles) and c.fits(c.tiles(m)) and c.shared_bytes(c.tiles(m)) > min_shared]
+             if c.tiles(m) == tiles and c.fits(tiles) and c.shared_bytes(tiles) > min_shared]
     cands += [d for d in defaults if d not in cands]
     return [c for c in cands if n % c.rows_per_cta() == 0 and (k // 128) // c.split >= 2]
 

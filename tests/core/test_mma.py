@@ -110,11 +110,19 @@ def test_the_rtx_rule_at_the_27bs_shapes(kern):
     assert layout["o_proj"] == layout["gdn_out"] == [(8, 1, 3), (4, 2, 3), (4, 2, 2)]
     assert layout["down"] == [(8, 1, 3), (4, 1, 2), (4, 2, 2)]
     assert layout["gate_up"] == layout["lm_head"] == [(4, 1, 2), (4, 1, 2), (4, 2, 2)]
-    # from 33 rows (the padded sweep on 132 SMs) the classes agree but on the wide layers (and down_proj at
-    # 49-56 rows: one batch warp)
-    for m in (40, 48, 64):
-        assert len({mma.default_config(m, n, k, rtx) for name, (k, n) in LAYERS.items()
-                    if name not in ("gate_up", "lm_head")}) == 1
+    # from 25 rows (the 48-SM sweep of 32-64 rows): down_proj, gate_up and o_proj / GDN-out take one entry per row
+    # count (o_proj two batch warps at 25-32 rows), all on 128-row CTAs; qkv / GDN-in on 64-row CTAs at 33-40 and
+    # 49-64 rows
+    shared = ("gate_up", "down", "o_proj", "gdn_out", "lm_head")
+    for m in (40, 48, 56, 64):
+        assert len({mma.default_config(m, *LAYERS[name][::-1], rtx) for name in shared}) == 1
+    at32 = {name: mma.default_config(32, n, k, rtx) for name, (k, n) in LAYERS.items()}
+    assert at32["o_proj"].wm == 2 and at32["down"].wm == 1 and at32["gate_up"] == at32["down"] == at32["qkv"]
+    assert {name: [mma.default_config(m, n, k, rtx).rows_per_cta() for m in (32, 40, 48, 56, 64)]
+            for name, (k, n) in LAYERS.items() if name in ("qkv", "down")} == {
+        "qkv": [128, 64, 128, 64, 64], "down": [128] * 5}
+    assert [(c.stages, c.gps) for c in (mma.default_config(m, 5120, 8704, rtx) for m in (32, 40, 48, 56, 64))] == [
+        (2, 4), (2, 4), (2, 4), (3, 2), (3, 2)]
     for gpu in (mma.Gpu(120, 132), rtx):
         for name, (k, n) in LAYERS.items():
             for m in range(1, mma.MAX_ROWS + 1):

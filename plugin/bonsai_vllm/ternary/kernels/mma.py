@@ -143,23 +143,26 @@ _WIDE = {**_OTHER, 4: (4, 1, 2, 4, 1, 0, 2), 5: (4, 1, 2, 4, 1, 0, 2), 6: (4, 2,
 _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (4, 1, 2, 4, 1, 8, 12), 4: (4, 1, 2, 4, 2, 8, 6),
          5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 8, 6), 7: (4, 1, 2, 4, 4, 8, 6), 8: (4, 1, 2, 4, 4, 8, 6)}
 # The RTX 50's tables, from sweeps on the H200 with each launch's shared memory padded so that an SM holds as
-# many CTAs of the instance as an sm_120 SM would (`bench-mma --rtx-occupancy`, fourteenth session). Up to 24
-# rows (and 32 on the wide layer) the sweep also ran on 48 SMs (`--sms 48`, a green context: the RTX 5070's
-# count): there one K slice won on every layer but qkv at 17-24 rows, and two 16-row tiles per warp at 17-24
-# rows on all but qkv; per class the fastest configuration whose sm_120 build does not spill. From 25 rows the
-# entries come from the padded sweep on all 132 SMs, where they took one slice too (down_proj's 25-32-row entry
-# is the other class's, 1.04x its best there, which took eight slices); the wide layer's at 41-48 rows is the
-# H200's, 1.19x faster on 48 SMs than the 132-SM sweep's choice (`python -m tools.fit_mma_rule` on the 48-SM
-# sweeps' JSON gives the entries up to 24 rows again). Timed on 48 padded SMs, this rule against the
-# H200's: 1.0-1.65x faster at 8-48 rows on every layer (docs/benchmarks.md). Rows 25-64 were never swept on
-# 48 SMs; the H200's bandwidth and clocks stay.
-_RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (8, 1, 4, 1, 1, 4, 4), 4: (4, 1, 2, 4, 2, 0, 2),
-              5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
-_RTX_SHALLOW = {**_RTX_OTHER, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 2, 3, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2)}
-_RTX_WIDE = {**_RTX_OTHER, 1: (4, 1, 2, 4, 1, 0, 2), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2),
-             4: (4, 2, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 1, 0, 2)}
-_RTX_DEEP = {**_RTX_OTHER, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2),
-             7: (4, 1, 2, 4, 1, 0, 2)}
+# many CTAs of the instance as an sm_120 SM would (`bench-mma --rtx-occupancy`), on 48 SMs (`--sms 48`, a green
+# context: the RTX 5070's count); per class and column tiles the fastest configuration whose sm_120 build does
+# not spill (`python -m tools.fit_mma_rule` on the sweeps' JSON prints these entries). Up to 24 rows (fourteenth
+# session): one K slice won on every layer but qkv at 17-24 rows, and two 16-row tiles per warp at 17-24 rows on
+# all but qkv. From 25 rows (sixteenth session; swept at 32, 40, 48, 56 and 64 rows): one K slice everywhere and
+# 128-row CTAs (two row tiles per warp) on all but qkv at 33-40 and 49-64 rows; the deep, wide and shallow layers
+# (down_proj, gate_up, o_proj) chose the same entries, 1.0-1.10x their own best, where the 132-SM padded sweep's
+# entries before were up to 1.41x off. At 33-40 rows the faster two-stage, four-group 128-row CTA spills on
+# sm_120, so eight warps of one tile take it. At 49-56 rows the sweep left out every configuration with batch
+# warps (it checked them at seven column tiles, which two warps do not divide, though they run the eight-tile
+# instance): the 57-64-row entry runs that same instance, and at 64 rows it beat the 56-row sweep's best by
+# 1.10-1.14x. Only the H200's bandwidth and clocks stay of the H200.
+_RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (8, 1, 4, 1, 1, 4, 4), 4: (4, 2, 2, 4, 1, 0, 2),
+              5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 2, 4, 1, 1, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
+_RTX_FROM_25 = {4: (4, 2, 2, 4, 1, 0, 2), 5: (8, 1, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 2, 0, 2), 7: (4, 2, 3, 2, 2, 0, 2),
+                8: (4, 2, 3, 2, 2, 0, 2)}  # 25-64 rows on the deep, wide and shallow layers
+_RTX_SHALLOW = {**_RTX_OTHER, **_RTX_FROM_25, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 2, 3, 4, 1, 0, 2),
+                3: (4, 2, 2, 4, 1, 0, 2), 4: (4, 2, 2, 4, 2, 0, 2)}
+_RTX_WIDE = {**_RTX_OTHER, **_RTX_FROM_25, 1: (4, 1, 2, 4, 1, 0, 2), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2)}
+_RTX_DEEP = {**_RTX_OTHER, **_RTX_FROM_25, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2)}
 _TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _OTHER, "other": _OTHER},
            True: {"deep": _RTX_DEEP, "wide": _RTX_WIDE, "shallow": _RTX_SHALLOW, "other": _RTX_OTHER}}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
