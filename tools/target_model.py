@@ -22,6 +22,12 @@ Decode step of one rank at M rows (TP=2: 64 layers, 48 Gated DeltaNet + 16 atten
     K3V2_OVER_FLOOR × the byte time (the H200's measured ratio, docs/dev-notes.md)
   + the GDN recurrent state of every sequence read and written once (38 MB per sequence per rank in bf16).
 Assumptions are the constants below, each with its source; change them to see what moves.
+
+`--emulated RUN/mma-gemm.json` adds a second estimate of the linear layers at the rows that run (2-64) from a
+measurement instead of the instruction count: `bench-mma --rtx-occupancy --sms 48` times each layer's served pair
+(activation prep + mma kernel) on 48 of the H200's SMs, each holding no more CTAs than an sm_120 SM would. Only
+the H200's clocks, bandwidth and tensor cores remain of the H200, so per layer (`emulated_layer`) the card's time
+is the largest of that time scaled by the clocks, the card's byte time, and its int8 tensor-core time.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ K3V2_BYTES_PER_TOKEN = 5376  # per rank, 16 layers × 2 KV heads × 168 B (docs/
 K3V2_OVER_FLOOR = 4.5  # the K3V2 decode kernel ran at 4-5× its byte floor on the H200 (docs/dev-notes.md)
 GDN_STATE_BYTES = 38e6  # per sequence per rank, bf16 (docs/design.md §1); read and written once per step
 HIDDEN = 5120
+# Dense int8 tensor-core operations per SM and clock on an RTX 50 card: the RTX Blackwell whitepaper's RTX 5090
+# figure, 838 TOPS over 170 SMs at 2.41 GHz (Ada's rate; half the A100's 4,096 per SM and clock).
+RTX_INT8_OPS_PER_SM_CLOCK = 2048
 LM_HEAD = (5120, 124160)  # per rank (K, N)
 WORK = re.compile(r"\b(IMMA|HMMA|IDP|FFMA|FMUL|IMAD|LOP3)\b")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -173,11 +182,41 @@ def step(card: Card, m: int, users: int, context: int, layers: dict) -> dict:
             "gdn_state_us": gdn_state, "step_us": total}
 
 
+def emulated_layer(row: dict, card: Card = RTX_5070, measured_on: Card = H200) -> dict:
+    """One layer's time on `card` from a bench-mma row measured on `measured_on` at the card's SM count and
+    occupancy (`--rtx-occupancy --sms 48`): the largest of the served pair's time (`with_prep_us`) scaled by the
+    clocks (the kernels wait on latency, which scales with the clock), the codes' and scales' bytes at the
+    card's bandwidth plus a launch, and the int8 tensor-core work at the card's rate (batch rows in 8-row
+    tiles)."""
+    n, k, m = row["N"], row["K"], row["M"]
+    terms = {"clock": row["with_prep_us"] * measured_on.clock_ghz / card.clock_ghz,
+             "bytes": (n * k / 4 + n * k / 128 * 2) / card.bandwidth * 1e6 + LAUNCH_US,
+             "tensor": 2 * (-(-m // 8) * 8) * n * k / (card.sms * RTX_INT8_OPS_PER_SM_CLOCK * card.clock_ghz * 1e9) * 1e6}
+    bound = max(terms, key=terms.get)
+    return {"us": terms[bound], "bound": bound, **{f"{t}_us": v for t, v in terms.items()}}
+
+
+def emulated_steps(rows: list[dict], lm_head: dict[int, dict], context: int, card: Card = RTX_5070) -> list[dict]:
+    """Decode steps at 24 rows (24 users) and 48 rows (24 users with MTP) whose linear layers are
+    `emulated_layer`'s, where the bench-mma rows hold all six layers at that M on the card's SMs; the LM head
+    (not in bench-mma) from the instruction model (`lm_head`: per M)."""
+    steps = []
+    for m, users in ((24, 24), (48, 24)):
+        at = {r["layer"]: emulated_layer(r, card) for r in rows if r["M"] == m and r.get("sms") == card.sms}
+        if m not in lm_head or not {"qkv", "o_proj", "gdn_in", "gdn_out", "gate_up", "down"} <= at.keys():
+            continue
+        s = step(card, m, users, context, {**at, "lm_head": lm_head[m]})
+        steps.append({**s, "bounds": {name: t["bound"] for name, t in at.items()}})
+    return steps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=8192, help="tokens of context per user (K3V2 attention)")
     ap.add_argument("--ms", default="1,2,3,8,16,24,48", help="batch rows to model per layer")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--emulated", metavar="JSON", type=Path,
+                    help="bench-mma's JSON from a 48-SM run (--rtx-occupancy --sms 48): the linear layers measured")
     args = ap.parse_args(argv)
     shapes = {name: LAYERS[name] for name in ("gate_up", "down", "qkv", "o_proj", "gdn_in", "gdn_out")}
     shapes["lm_head"] = LM_HEAD
@@ -202,9 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     for s in steps:
         print(f"| {s['M']} ({s['users']}) | {s['linear_us'] / 1e3:.2f} | {s['allreduce_us'] / 1e3:.2f} | "
               f"{s['attention_us'] / 1e3:.2f} | {s['gdn_state_us'] / 1e3:.2f} | {s['step_us'] / 1e3:.2f} |")
+    emulated = []
+    if args.emulated:
+        bench = json.loads(args.emulated.read_text())["rows"]
+        emulated = emulated_steps(bench, {m: per_m[m]["lm_head"] for m in per_m}, args.context)
+        print(f"\nLinear layers from {args.emulated} (H200 on 48 SMs at sm_120's occupancy; clocks, bytes and "
+              "tensor rate of the RTX 5070):\n| M (users) | linear ms | all-reduce ms | step ms | tokens/s (MTP "
+              "accepts 0.7) | bound per layer |\n|---|---|---|---|---|---|")
+        for s in emulated:
+            tokens = s["users"] * (1.7 if s["M"] > s["users"] else 1.0) / (s["step_us"] / 1e6)
+            print(f"| {s['M']} ({s['users']}) | {s['linear_us'] / 1e3:.2f} | {s['allreduce_us'] / 1e3:.2f} | "
+                  f"{s['step_us'] / 1e3:.2f} | {tokens:.0f} | "
+                  f"{', '.join(f'{k} {v}' for k, v in s['bounds'].items())} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"cards": [asdict(RTX_5070), asdict(H200)], "layers": rows,
-                                               "steps": steps, "context": args.context}, indent=1))
+                                               "steps": steps, "emulated_steps": emulated,
+                                               "context": args.context}, indent=1))
     return 0
 
 

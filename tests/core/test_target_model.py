@@ -47,3 +47,31 @@ def test_step_adds_the_parts(tm):
     assert s["linear_us"] == 16 * 2 + 48 * 2 + 64 * 2 + 1
     assert s["attention_us"] == 0
     assert s["step_us"] == pytest.approx(s["linear_us"] + s["allreduce_us"] + s["gdn_state_us"])
+
+
+def test_emulated_layer_takes_the_largest_term(tm):
+    card = tm.Card("test", 120, 48, 2.0, 1e12)
+    measured_on = tm.Card("h", 90, 48, 1.0, 4e12)
+    # 1024 × 1024: 256 KiB of codes + 16 KiB of scales at 1e12 B/s = 0.28 µs (+ a launch); tensor: 2·16·1024² ops
+    # over 48 · 2048 · 2e9 per s = 0.17 µs; the measured 20 µs at half the clock: 10 µs
+    row = {"layer": "x", "N": 1024, "K": 1024, "M": 9, "with_prep_us": 20.0, "sms": 48}
+    t = tm.emulated_layer(row, card, measured_on)
+    assert t["bound"] == "clock" and t["us"] == pytest.approx(10.0)
+    assert t["bytes_us"] == pytest.approx((1024 * 256 + 1024 * 8 * 2) / 1e12 * 1e6 + tm.LAUNCH_US)
+    assert t["tensor_us"] == pytest.approx(2 * 16 * 1024 * 1024 / (48 * tm.RTX_INT8_OPS_PER_SM_CLOCK * 2e9) * 1e6)
+    fast = tm.emulated_layer({**row, "with_prep_us": 1.0}, card, measured_on)
+    assert fast["bound"] == "bytes" and fast["us"] == fast["bytes_us"]
+
+
+def test_emulated_steps_need_every_layer_on_the_cards_sms(tm):
+    names = ("qkv", "o_proj", "gdn_in", "gdn_out", "gate_up", "down")
+    rows = [{"layer": name, "N": 5120, "K": 5120, "M": m, "with_prep_us": 50.0, "sms": 48}
+            for name in names for m in (24, 48)]
+    lm_head = {24: {"us": 100.0}, 48: {"us": 100.0}}
+    steps = tm.emulated_steps(rows, lm_head, context=0)
+    assert [(s["M"], s["users"]) for s in steps] == [(24, 24), (48, 24)]
+    per_layer = 50.0 * tm.H200.clock_ghz / tm.RTX_5070.clock_ghz  # clock-bound: bytes 14 µs, tensor < 3 µs
+    assert steps[0]["linear_us"] == pytest.approx(16 * 2 * per_layer + 48 * 2 * per_layer + 64 * 2 * per_layer + 100)
+    # a layer measured on all 132 SMs, or missing, leaves that step out
+    assert [s["M"] for s in tm.emulated_steps([{**r, "sms": 132} if r["M"] == 24 else r for r in rows], lm_head, 0)] == [48]
+    assert tm.emulated_steps([r for r in rows if r["layer"] != "down"], lm_head, 0) == []
