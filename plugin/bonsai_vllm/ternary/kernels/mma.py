@@ -151,10 +151,11 @@ _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (4, 1, 2, 4, 1, 8, 12), 4: (4, 1
 # 128-row CTAs (two row tiles per warp) on all but qkv at 33-40 and 49-64 rows; the deep, wide and shallow layers
 # (down_proj, gate_up, o_proj) chose the same entries, 1.0-1.10x their own best, where the 132-SM padded sweep's
 # entries before were up to 1.41x off. At 33-40 rows the faster two-stage, four-group 128-row CTA spills on
-# sm_120, so eight warps of one tile take it. At 49-56 rows the sweep left out every configuration with batch
-# warps (it checked them at seven column tiles, which two warps do not divide, though they run the eight-tile
-# instance): the 57-64-row entry runs that same instance, and at 64 rows it beat the 56-row sweep's best by
-# 1.10-1.14x. Only the H200's bandwidth and clocks stay of the H200.
+# sm_120, so eight warps of one tile take it. At 49-56 rows the first sweep left out every configuration with
+# batch warps (it checked them at seven column tiles, which two warps do not divide, though they run the
+# eight-tile instance): the 57-64-row entry runs that same instance, 1.15-1.19x faster at 56 rows than that
+# sweep's best, and the corrected sweep at 56 rows (down_proj, o_proj) found nothing faster. Only the H200's
+# bandwidth and clocks stay of the H200.
 _RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (8, 1, 4, 1, 1, 4, 4), 4: (4, 2, 2, 4, 1, 0, 2),
               5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 2, 4, 1, 1, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
 _RTX_FROM_25 = {4: (4, 2, 2, 4, 1, 0, 2), 5: (8, 1, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 2, 0, 2), 7: (4, 2, 3, 2, 2, 0, 2),
