@@ -67,6 +67,7 @@ HIDDEN = 5120
 # figure, 838 TOPS over 170 SMs at 2.41 GHz (Ada's rate; half the A100's 4,096 per SM and clock).
 RTX_INT8_OPS_PER_SM_CLOCK = 2048
 LM_HEAD = (5120, 124160)  # per rank (K, N)
+LINEAR = ("gate_up", "down", "qkv", "o_proj", "gdn_in", "gdn_out")  # the per-rank layers that step() sums
 WORK = re.compile(r"\b(IMMA|HMMA|IDP|FFMA|FMUL|IMAD|LOP3)\b")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
@@ -86,6 +87,11 @@ def main_loop(cubin: bytes) -> tuple[int, int]:
         return len(ins), sum(bool(WORK.match(o)) for _, o, _ in ins)
     work, _, size = max(loops)
     return size, work
+
+
+def weight_bytes(n: int, k: int) -> float:
+    """An [N, K] ternary layer's bytes in memory: its 2-bit codes and an fp16 scale per group of 128 inputs."""
+    return n * k / 4 + n * k / 128 * 2
 
 
 @dataclass
@@ -123,7 +129,7 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
     x = torch.randn(m, k, generator=g).bfloat16()
     results: list[Compiled] = []
     cubins: dict[int, bytes] = {}
-    weight_bytes = n * k / 4 + n * k / 128 * 2  # codes and fp16 scales
+    codes_bytes = weight_bytes(n, k)
     out_bytes = m * n * 2
     with compile_only(card.arch, results, cubins):
         if route.path in ("mma", "stream"):  # the prep through Triton here; the CUDA kernel is compiled below
@@ -137,7 +143,7 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
         if c.kernel in ("_gemv_kernel", "_gemv_rows_kernel", "_gemv_fma_kernel", "_gemv_dot_kernel"):
             per_cta = consts["BN"] * consts["BW"] * 16
             passes = -(-m // consts["BM"]) if "BM" in consts else (m if c.kernel == "_gemv_fma_kernel" else 1)
-            launches.append(Launch(c.kernel, body, per_cta // c.num_warps, passes, weight_bytes, out_bytes))
+            launches.append(Launch(c.kernel, body, per_cta // c.num_warps, passes, codes_bytes, out_bytes))
         else:  # rotation, prep, split-K reduction: small byte-bound passes over the activations
             launches.append(Launch(c.kernel, body, 0, 0, 0.0, m * k * 4.0))
     if route.path == "mma":
@@ -146,14 +152,14 @@ def layer_launches(card: Card, n: int, k: int, m: int) -> tuple[str, list[Launch
         body, _ = main_loop(cubin)
         # one iteration is one pipeline stage: a warp's 16 · rtiles rows × gps groups of 128 inputs, for its
         # 1/wm of the column tiles (wm warps walk the same weights)
-        launches.append(Launch("ternary_mma", body, 16 * cfg.rtiles * 128 * cfg.gps / cfg.wm, 1, weight_bytes,
+        launches.append(Launch("ternary_mma", body, 16 * cfg.rtiles * 128 * cfg.gps / cfg.wm, 1, codes_bytes,
                                out_bytes))
     if route.path == "stream":
         cfg = route.config
         cubin, _ = stream_gemv.compile_instance(stream_gemv.template(cfg, m, k, torch.bfloat16), str(card.arch))
         body, _ = main_loop(cubin)
         # one iteration is one tile: a warp's R rows × 32 threads × C words of 16 weights, for all m batch rows
-        launches.append(Launch("ternary_stream_gemv", body, cfg.rows * 32 * cfg.words * 16, 1, weight_bytes,
+        launches.append(Launch("ternary_stream_gemv", body, cfg.rows * 32 * cfg.words * 16, 1, codes_bytes,
                                out_bytes))
     return str(route), launches
 
@@ -190,7 +196,7 @@ def emulated_layer(row: dict, card: Card = RTX_5070, measured_on: Card = H200) -
     tiles)."""
     n, k, m = row["N"], row["K"], row["M"]
     terms = {"clock": row["with_prep_us"] * measured_on.clock_ghz / card.clock_ghz,
-             "bytes": (n * k / 4 + n * k / 128 * 2) / card.bandwidth * 1e6 + LAUNCH_US,
+             "bytes": weight_bytes(n, k) / card.bandwidth * 1e6 + LAUNCH_US,
              "tensor": 2 * (-(-m // 8) * 8) * n * k / (card.sms * RTX_INT8_OPS_PER_SM_CLOCK * card.clock_ghz * 1e9) * 1e6}
     bound = max(terms, key=terms.get)
     return {"us": terms[bound], "bound": bound, **{f"{t}_us": v for t, v in terms.items()}}
@@ -203,7 +209,7 @@ def emulated_steps(rows: list[dict], lm_head: dict[int, dict], context: int, car
     steps = []
     for m, users in ((24, 24), (48, 24)):
         at = {r["layer"]: emulated_layer(r, card) for r in rows if r["M"] == m and r.get("sms") == card.sms}
-        if m not in lm_head or not {"qkv", "o_proj", "gdn_in", "gdn_out", "gate_up", "down"} <= at.keys():
+        if m not in lm_head or not set(LINEAR) <= at.keys():
             continue
         s = step(card, m, users, context, {**at, "lm_head": lm_head[m]})
         steps.append({**s, "bounds": {name: t["bound"] for name, t in at.items()}})
@@ -218,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emulated", metavar="JSON", type=Path,
                     help="bench-mma's JSON from a 48-SM run (--rtx-occupancy --sms 48): the linear layers measured")
     args = ap.parse_args(argv)
-    shapes = {name: LAYERS[name] for name in ("gate_up", "down", "qkv", "o_proj", "gdn_in", "gdn_out")}
+    shapes = {name: LAYERS[name] for name in LINEAR}
     shapes["lm_head"] = LM_HEAD
     ms = sorted({int(v) for v in args.ms.split(",")} | {1, 2, 24, 48})
     rows, per_m = [], {}
