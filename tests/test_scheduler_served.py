@@ -105,10 +105,15 @@ def agent_length(solo: Stream) -> int:
     return max(SOLO_TOKENS, min(MAX_AGENT_TOKENS, int(rate * AGENT_SECONDS)))
 
 
+MET_STEPS = 64  # engine steps an agent must still run once the chat is in (see chat_met_agents)
+
+
 def chat_met_agents(steps: list[dict]) -> bool:
-    """The third request (the chat) was in the engine while an agent still ran: some step scheduled an agent
-    and either the chat or a waiting request (only the chat, or an agent it preempted, can wait here).
-    Read from the scheduler's trace: the client's view can lag the engine by seconds on a loaded machine."""
+    """The third request (the chat) reached the engine while an agent still had tokens to go: from the chat's
+    arrival (its first scheduled step, or the first step with a request waiting, whichever came first: only the
+    chat can wait before it is scheduled) an agent was scheduled in at least MET_STEPS more steps. The margin
+    keeps the client-side order of the chat's first token and an agent's end meaningful. Read from the
+    scheduler's trace: the client's view can lag the engine by seconds on a loaded machine."""
     first: dict[str, int] = {}
     for s in steps:
         for rid in s["requests"]:
@@ -116,8 +121,9 @@ def chat_met_agents(steps: list[dict]) -> bool:
     if len(first) < 3:
         return False
     *agents, chat = sorted(first, key=first.get)[:3]
-    return any(any(a in s["requests"] for a in agents) and (chat in s["requests"] or s["waiting"] > 0)
-               for s in steps)
+    arrival = min([first[chat]] + [s["step"] for s in steps if s["waiting"] > 0 and s["step"] > first[agents[1]]])
+    after = sum(s["step"] >= arrival and any(a in s["requests"] for a in agents) for s in steps)
+    return after >= MET_STEPS
 
 
 def run_contention(url: str, trace, chat_priority: int,
