@@ -4,9 +4,10 @@
 
 On a CUDA GPU, for the six per-rank TP=2 layers of the 27B and batch rows M, in one run:
 - ours: `ternary_linear` as served on the 12 GB cards (W8 not kept at load), on rotated input, so the route is
-  the dispatch's own (the streaming GEMV or dp4a at one row, the int8 tensor-core kernel at 2-64, W8 expanded
-  per call beyond); and the same call with the CUDA C kernels launched the ordinary way instead of as
-  programmatic dependents of the prep (nvrtc.launch's `early`);
+  the dispatch's own (the streaming GEMV at 1-4 rows, the int8 tensor-core kernel to 64, the GEMM decoding the
+  codes to 512, W8 expanded per call beyond); and the same call with the CUDA C kernels launched the ordinary
+  way instead of as programmatic dependents of the prep where the rule launches them so (nvrtc.launch's
+  `early`, mma.early_pays);
 - bf16 cuBLAS (`F.linear`) on the dequantized weights;
 - the byte floor: the codes and scales read once at the measured copy bandwidth;
 - gemlite 0.6 (PyPI; Triton low-bit kernels, 2-bit codes with group-128 scales, HQQ's (W_q - zero) · scale,

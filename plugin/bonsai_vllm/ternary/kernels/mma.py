@@ -251,13 +251,25 @@ def reserve(device: torch.device | str, n: int, k: int, config: MmaConfig, rows:
     shared_workspace(device).get(splits * rows * n if splits > 1 else 1, n // config.rows_per_cta())
 
 
+def early_pays(grid: int, rows: int, sms: int) -> bool:
+    """Whether a grid of `grid` CTAs for `rows` batch rows gains from starting while the prep runs. Fitted on the
+    H200 (the served call both ways, alternated; docs/benchmarks.md, seventeenth session): grids of two or more
+    CTAs per SM were 1-8 % faster early, but for gate_up at 32 rows and down_proj at 24 (5-6 % slower). Below
+    that it depends on what the prep leaves free: o_proj / GDN-out's 80 CTAs were 4-8 % faster early at 16-48
+    rows and 1.2x slower at 64; qkv's 112 3 % faster at 16 rows and up to 1.4x slower from 24; GDN-in's 128 up
+    to 1.44x slower from 16. `grid + rows <= sms` gets each of those right: the CTAs fit beside the prep, whose
+    programs grow with the rows (K / 1024 per row); otherwise they double up on the SMs left free, we think. It
+    leaves gate_up's 136 CTAs at 48 rows, 2 % faster early, launched the ordinary way."""
+    return grid >= 2 * sms or grid + rows <= sms
+
+
 def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: MmaConfig, workspace,
          out: torch.Tensor | None = None, early: bool | None = None, shared_mem: int | None = None) -> torch.Tensor:
     """y [M, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales fp16
     [N, K/128]) applied to the M rows of `act` (1 <= M <= 64); `out` may be any [M, N] view with unit stride
     along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls). `early`:
     launched as a programmatic dependent of the kernel ahead of it (nvrtc.launch; sm_90 and later; None:
-    EARLY_LAUNCH where the grid has at least two CTAs per SM). `shared_mem`: launch with that many bytes of
+    EARLY_LAUNCH where `early_pays` says so). `shared_mem`: launch with that many bytes of
     shared memory instead of the stages' own (at least those; benchmarks/mma_gemm.py pads CTAs so that the H200
     holds as many per SM as the RTX card would)."""
     n, kw = packed.shape
@@ -284,10 +296,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     # weights, then waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
     index = packed.device.index or 0
     if early is None:
-        # A grid of fewer than two CTAs per SM, launched while the prep still holds some SMs, ran up to 1.9x
-        # slower (qkv, GDN-in at 48-64 rows on the H200: its CTAs doubled up on the free SMs, we think); the
-        # larger grids gained 1-6 % (docs/benchmarks.md).
-        early = EARLY_LAUNCH and ctas * splits >= 2 * nvrtc.sm_count(index)
+        early = EARLY_LAUNCH and early_pays(ctas * splits, m, nvrtc.sm_count(index))
     early = early and nvrtc.capability(index)[0] >= 9
     nvrtc.launch(fn, (ctas, splits, 1), (32 * config.warps * config.wm, 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
