@@ -1,9 +1,12 @@
 """The served ternary layers without W8 against bf16 cuBLAS, the byte floor and gemlite (issue 19; `make bench-layers`).
 
     PYTHONPATH=plugin python -m benchmarks.layers [--out DIR] [--ms 1,4,16,24,48,64,128] [--budget SECONDS]
+                                                  [--unrotated]
 
 On a CUDA GPU, for the six per-rank TP=2 layers of the 27B and batch rows M, in one run:
-- ours: `ternary_linear` as served on the 12 GB cards (W8 not kept at load), on rotated input, so the route is
+- ours: `ternary_linear` as served on the 12 GB cards (W8 not kept at load), on rotated input (with `--unrotated`,
+  unrotated input and the layer's Hadamard signs wherever K is whole 1024-blocks, as served: the rotation + prep
+  kernel runs ahead instead of the prep alone; down_proj's 8704 stays rotated, as served), so the route is
   the dispatch's own (the streaming GEMV at 1-4 rows, the int8 tensor-core kernel to 64, the GEMM decoding the
   codes to 512, W8 expanded per call beyond); and the same call with the CUDA C kernels launched the ordinary
   way instead of as programmatic dependents of the prep where the rule launches them so (nvrtc.launch's
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 from benchmarks import kernels as bk
 from benchmarks.anchors import gemlite_layer, gemlite_version
+from bonsai_vllm.ternary.reference import signed_block_hadamard
 
 MS = [1, 4, 16, 24, 48, 64, 128]
 SHAPES = bk.SHAPES
@@ -45,12 +49,30 @@ def set_early_launch(on: bool) -> None:
     mma.EARLY_LAUNCH = stream_gemv.EARLY_LAUNCH = on
 
 
+BLOCK = 1024  # the Hadamard block the 27B's layers rotate by
+
+
+def served_with_signs(layer: bk.ServedCopies, n: int, k: int, device) -> tuple[list, torch.Tensor | None]:
+    """The layer's weight copies prepared with random Hadamard signs (so `ternary_linear` rotates x itself, as
+    served), and the signs; (the rotated-input copies, None) where K is not whole blocks (down_proj's 8704,
+    which vLLM hands over rotated by its TP slice)."""
+    from bonsai_vllm.ternary.kernels import linear
+
+    if k % BLOCK:
+        return layer.served, None
+    g = torch.Generator(device=device).manual_seed(17)
+    signs = torch.randint(0, 2, (k,), generator=g, device=device).float() * 2 - 1
+    return [linear.prepare(p, s, signs, expand_int8=False) for p, s in layer.tern], signs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--layers", default=",".join(name for name, _, _ in SHAPES))
     ap.add_argument("--budget", type=float, default=1e9, help="seconds of checks and timings, then the table")
+    ap.add_argument("--unrotated", action="store_true",
+                    help="unrotated x and the rotation + prep kernel ahead, as served, where K is whole 1024-blocks")
     args = ap.parse_args(argv)
     ms, layers = [int(v) for v in args.ms.split(",")], args.layers.split(",")
     from bonsai_vllm.ternary.kernels import linear
@@ -67,41 +89,47 @@ def main(argv: list[str] | None = None) -> int:
         if name not in layers:
             continue
         layer = bk.served_copies(n, k, dev, seed=7, l2=l2)
-        w_ref, tws, dense, copies = layer.w_ref, layer.served, layer.dense, layer.copies
+        w_ref, dense, copies = layer.w_ref, layer.dense, layer.copies
+        tws, signs = served_with_signs(layer, n, k, dev) if args.unrotated else (layer.served, None)
+        rotated = signs is None
         gl = [gemlite_layer(p, s) for p, s in layer.tern] if version else None
         floor = layer.nbytes / bw * 1e6
         for m in ms:
             if time.time() > deadline:
                 failures.append(f"{name} M={m}: not run (--budget spent)")
                 continue
-            x = bk.randn(m, k, device=dev, seed=300 + m)  # taken as rotated
-            want = x.float() @ w_ref.t()
+            x = bk.randn(m, k, device=dev, seed=300 + m)  # taken as rotated unless `signs`
+            plain = x.float() @ w_ref.t()  # gemlite's layer: it does not rotate
+            want = plain if rotated else signed_block_hadamard(x.float(), signs, BLOCK) @ w_ref.t()
             route = linear.route(m, tws[0])
-            y = linear.ternary_linear(x, tws[0], rotated=True)
+            y = linear.ternary_linear(x, tws[0], rotated=rotated)
             err = bk.rel(y, want)
             if err > BOUND[route.path]:
                 failures.append(f"{name} M={m} {route}: {err:.2e} from float32 (bound {BOUND[route.path]:.0e})")
                 continue
-            t_ours = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=True), copies, bk.calls_for(30))
+            t_ours = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=rotated), copies,
+                                   bk.calls_for(30))
             set_early_launch(False)
-            t_late = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=True), copies, bk.calls_for(30))
+            t_late = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=rotated), copies,
+                                   bk.calls_for(30))
             set_early_launch(True)
             t_bf16 = bk.time_graph(lambda i: F.linear(x, dense[i]), len(dense), bk.calls_for(30))
             t_gl = err_gl = float("nan")
             if gl is not None:
                 try:
-                    err_gl = bk.rel(gl[0](x), want)
+                    err_gl = bk.rel(gl[0](x), plain)
                     t_gl = bk.time_graph(lambda i: gl[i](x), copies, bk.calls_for(30))
                 except Exception as e:  # noqa: BLE001 - the anchor failing is reported; our figures stand
                     failures.append(f"{name} M={m} gemlite: {type(e).__name__}: {str(e)[:200]}")
             label = f"int8 GEMM, W8 {route.w8}" if route.path == "int8" else str(route)
-            row = dict(layer=name, K=k, N=n, M=m, route=label, ours_us=t_ours, late_us=t_late, err=err, bf16_us=t_bf16,
-                       floor_us=floor, gemlite_us=t_gl, gemlite_err=err_gl)
+            row = dict(layer=name, K=k, N=n, M=m, x="rotated" if rotated else "unrotated", route=label, ours_us=t_ours,
+                       late_us=t_late, err=err, bf16_us=t_bf16, floor_us=floor, gemlite_us=t_gl, gemlite_err=err_gl)
             rows.append(row)
             bk.say(f"  {name:8s} M={m:4d} ours {t_ours:8.2f} µs ({route.path}, err {err:.1e}; ordinary launch "
                    f"{t_late:8.2f})  bf16 {t_bf16:8.2f}  "
                    f"floor {floor:6.2f}  gemlite {t_gl:8.2f} (err {err_gl:.1e})")
-    lines = [f"anchor: {anchor}; copy bandwidth {bw / 1e12:.2f} TB/s", "",
+    x_kind = "unrotated where K is whole 1024-blocks (the rotation + prep kernel ahead)" if args.unrotated else "rotated"
+    lines = [f"anchor: {anchor}; copy bandwidth {bw / 1e12:.2f} TB/s; x {x_kind}", "",
              "| layer | M | route | ours µs | error | ordinary launch µs | bf16 µs | × bf16 | floor µs | % of copy bw | "
              "gemlite µs | gemlite error | × gemlite |", "|" + "---|" * 13]
     for r in rows:

@@ -1,12 +1,16 @@
 """benchmarks/anchors.py hands gemlite (the issue-19 anchor of `make bench-layers`) our codes in HQQ's form,
 W = (W_q - zero) · scale per group of 128; were that conversion wrong, the anchor would time another layer. The
-timing itself needs a CUDA GPU."""
+timing itself needs a CUDA GPU. benchmarks/layers.py's `--unrotated` copies must be the same layer behind a
+rotation: checked here on CPU against the float32 maths."""
 
 import torch
 
+from benchmarks import kernels as bk
 from benchmarks.anchors import hqq_form
+from benchmarks.layers import served_with_signs
 from bonsai_vllm.ternary.format import pack_ternary
-from bonsai_vllm.ternary.reference import dequantize
+from bonsai_vllm.ternary.kernels import linear
+from bonsai_vllm.ternary.reference import dequantize, signed_block_hadamard
 
 
 def test_hqq_form_is_the_same_layer():
@@ -17,3 +21,16 @@ def test_hqq_form_is_the_same_layer():
     assert w_q.dtype == torch.uint8 and w_q.shape == (48, 512) and set(w_q.unique().tolist()) == {0, 1, 2}
     groups = (w_q.float() - zero).view(48, 4, 128) * s.float()[:, :, None]
     assert torch.equal(groups.view(48, 512), dequantize(packed, scales, 128).float())
+
+
+def test_unrotated_copies_rotate_x_themselves():
+    layer = bk.served_copies(64, 2048, "cpu", seed=7, l2=1 << 20)
+    tws, signs = served_with_signs(layer, 64, 2048, "cpu")
+    assert len(tws) == len(layer.tern) and signs.shape == (2048,) and set(signs.unique().tolist()) == {-1.0, 1.0}
+    x = bk.randn(3, 2048, device="cpu", seed=5, dtype=torch.float32)
+    want = signed_block_hadamard(x, signs, 1024) @ layer.w_ref.t()
+    y = linear.ternary_linear(x, tws[-1], rotated=False)
+    assert ((y.float() - want).norm() / want.norm()).item() < 1e-5
+    # and a width that is not whole blocks keeps the rotated-input copies, as down_proj is served
+    odd = bk.served_copies(64, 1152, "cpu", seed=7, l2=1 << 20)
+    assert served_with_signs(odd, 64, 1152, "cpu") == (odd.served, None)
