@@ -5,11 +5,8 @@ rotation: checked here on CPU against the float32 maths."""
 
 import torch
 
-from benchmarks import kernels as bk
 from benchmarks.anchors import hqq_form
-from benchmarks.layers import served_with_signs
 from bonsai_vllm.ternary.format import pack_ternary
-from bonsai_vllm.ternary.kernels import linear
 from bonsai_vllm.ternary.reference import dequantize, signed_block_hadamard
 
 
@@ -23,7 +20,14 @@ def test_hqq_form_is_the_same_layer():
     assert torch.equal(groups.view(48, 512), dequantize(packed, scales, 128).float())
 
 
-def test_unrotated_copies_rotate_x_themselves():
+def test_unrotated_copies_rotate_x_themselves(monkeypatch):
+    # the layer's own maths on CPU (the reference route), whatever an interpreted kernel module left set; the
+    # kernel modules are imported here, not at collection (tests/core/interpreter_scope.py says why)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from benchmarks import kernels as bk
+    from benchmarks.layers import served_with_signs
+    from bonsai_vllm.ternary.kernels import linear
+
     layer = bk.served_copies(64, 2048, "cpu", seed=7, l2=1 << 20)
     tws, signs = served_with_signs(layer, 64, 2048, "cpu")
     assert len(tws) == len(layer.tern) and signs.shape == (2048,) and set(signs.unique().tolist()) == {-1.0, 1.0}
