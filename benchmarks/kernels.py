@@ -155,6 +155,7 @@ class ServedCopies:
     packed: torch.Tensor  # int32 [N, K/16]
     scales: torch.Tensor  # fp16 [N, K/128]
     w_ref: torch.Tensor  # float32 [N, K], the dequantized layer
+    signs: torch.Tensor  # ±1 float32 [K]: Hadamard signs for a caller that prepares the copies unrotated
     tern: list  # (packed, scales) copies
     served: list  # linear.TernaryWeights of each copy
     dense: list  # bf16 [N, K] copies
@@ -168,13 +169,13 @@ class ServedCopies:
 def served_copies(n: int, k: int, device, seed: int, l2: int) -> ServedCopies:
     from bonsai_vllm.ternary.kernels import linear
 
-    packed, scales, _ = random_layer(n, k, device, seed)
+    packed, scales, signs = random_layer(n, k, device, seed)
     w_ref = dequantize(packed, scales, 128)
     nbytes = n * k / 4 + n * k / 128 * 2
     tern = [(packed.clone(), scales.clone()) for _ in range(n_copies(int(nbytes), l2))]
     served = [linear.prepare(p, s, None, expand_int8=False) for p, s in tern]
     dense = [w_ref.to(torch.bfloat16) for _ in range(n_copies(2 * n * k, l2))]
-    return ServedCopies(packed, scales, w_ref, tern, served, dense, nbytes)
+    return ServedCopies(packed, scales, w_ref, signs, tern, served, dense, nbytes)
 
 
 def randn(*shape, device, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
@@ -422,7 +423,7 @@ def _bm_for(m: int) -> int:
 def bench_layer(name, k, n, bw, l2, device, sweep: bool, seed: int, rows: list, sweep_rows: list):
     from bonsai_vllm.ternary.kernels import int8mm
 
-    packed, scales, _ = random_layer(n, k, device, seed)
+    packed, scales, signs = random_layer(n, k, device, seed)
     w_ref = dequantize(packed, scales, 128)
     q, rs = int8mm.int8_scales(scales)
     tern_bytes = packed.numel() * 4 + scales.numel() * 2

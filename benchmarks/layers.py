@@ -52,17 +52,15 @@ def set_early_launch(on: bool) -> None:
 BLOCK = 1024  # the Hadamard block the 27B's layers rotate by
 
 
-def served_with_signs(layer: bk.ServedCopies, n: int, k: int, device) -> tuple[list, torch.Tensor | None]:
-    """The layer's weight copies prepared with random Hadamard signs (so `ternary_linear` rotates x itself, as
+def served_with_signs(layer: bk.ServedCopies) -> tuple[list, torch.Tensor | None]:
+    """The layer's weight copies prepared with its Hadamard signs (so `ternary_linear` rotates x itself, as
     served), and the signs; (the rotated-input copies, None) where K is not whole blocks (down_proj's 8704,
     which vLLM hands over rotated by its TP slice)."""
     from bonsai_vllm.ternary.kernels import linear
 
-    if k % BLOCK:
+    if layer.signs.numel() % BLOCK:
         return layer.served, None
-    g = torch.Generator(device=device).manual_seed(17)
-    signs = torch.randint(0, 2, (k,), generator=g, device=device).float() * 2 - 1
-    return [linear.prepare(p, s, signs, expand_int8=False) for p, s in layer.tern], signs
+    return [linear.prepare(p, s, layer.signs, expand_int8=False) for p, s in layer.tern], layer.signs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         layer = bk.served_copies(n, k, dev, seed=7, l2=l2)
         w_ref, dense, copies = layer.w_ref, layer.dense, layer.copies
-        tws, signs = served_with_signs(layer, n, k, dev) if args.unrotated else (layer.served, None)
+        tws, signs = served_with_signs(layer) if args.unrotated else (layer.served, None)
         rotated = signs is None
         gl = [gemlite_layer(p, s) for p, s in layer.tern] if version else None
         floor = layer.nbytes / bw * 1e6

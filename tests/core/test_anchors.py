@@ -29,7 +29,7 @@ def test_unrotated_copies_rotate_x_themselves(monkeypatch):
     from bonsai_vllm.ternary.kernels import linear
 
     layer = bk.served_copies(64, 2048, "cpu", seed=7, l2=1 << 20)
-    tws, signs = served_with_signs(layer, 64, 2048, "cpu")
+    tws, signs = served_with_signs(layer)
     assert len(tws) == len(layer.tern) and signs.shape == (2048,) and set(signs.unique().tolist()) == {-1.0, 1.0}
     x = bk.randn(3, 2048, device="cpu", seed=5, dtype=torch.float32)
     want = signed_block_hadamard(x, signs, 1024) @ layer.w_ref.t()
@@ -37,4 +37,4 @@ def test_unrotated_copies_rotate_x_themselves(monkeypatch):
     assert ((y.float() - want).norm() / want.norm()).item() < 1e-5
     # and a width that is not whole blocks keeps the rotated-input copies, as down_proj is served
     odd = bk.served_copies(64, 1152, "cpu", seed=7, l2=1 << 20)
-    assert served_with_signs(odd, 64, 1152, "cpu") == (odd.served, None)
+    assert served_with_signs(odd) == (odd.served, None)
