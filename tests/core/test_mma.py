@@ -159,9 +159,11 @@ EARLY_MEASURED = {
 }
 
 
-def test_early_launch_rule_matches_the_h200_measurement(kern):
+def test_early_launch_rule_matches_the_h200_measurement(kern, monkeypatch):
     mma = kern.mma
     gpu = mma.Gpu(90, 132)
+    assert not mma.early_pays(80, 16, gpu.sms)  # beside the prep: not by default until gpu-check passes with it
+    monkeypatch.setattr(mma, "EARLY_BESIDE_PREP", True)
     for name, measured in EARLY_MEASURED.items():
         k, n = LAYERS[name]
         for m, faster in measured.items():

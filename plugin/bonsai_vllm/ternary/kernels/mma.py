@@ -89,6 +89,10 @@ SHARED_DEFAULT = 48 * 1024  # what a launch gets without opting in
 # Launch as a programmatic dependent of the prep kernel by default (benchmarks/mma_gemm.py and stream_gemv.py
 # measure it against an ordinary launch).
 EARLY_LAUNCH = True
+# early_pays' second case, a grid that fits beside the prep: faster on the H200 and checked against float32 behind
+# dp4a.prepare only (seventeenth session); off until `make gpu-check` passes with it, the served path's rotation
+# + prep kernel ahead.
+EARLY_BESIDE_PREP = False
 
 # Batch rows up to which the residual term runs: on the H200 (benchmarks/mma_gemm.py, docs/benchmarks.md) it
 # costs 1.05-1.3x the plain kernel there and still beats the route it replaces at every shape; plain int8
@@ -259,8 +263,9 @@ def early_pays(grid: int, rows: int, sms: int) -> bool:
     rows and 1.2x slower at 64; qkv's 112 3 % faster at 16 rows and up to 1.4x slower from 24; GDN-in's 128 up
     to 1.44x slower from 16. `grid + rows <= sms` gets each of those right: the CTAs fit beside the prep, whose
     programs grow with the rows (K / 1024 per row); otherwise they double up on the SMs left free, we think. It
-    leaves gate_up's 136 CTAs at 48 rows, 2 % faster early, launched the ordinary way."""
-    return grid >= 2 * sms or grid + rows <= sms
+    leaves gate_up's 136 CTAs at 48 rows, 2 % faster early, launched the ordinary way. That second case waits
+    for EARLY_BESIDE_PREP."""
+    return grid >= 2 * sms or (EARLY_BESIDE_PREP and grid + rows <= sms)
 
 
 def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: MmaConfig, workspace,
