@@ -86,15 +86,21 @@ def trace_lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def scheduled_spans(steps: list[dict]) -> dict[str, list[int]]:
+    """Request id -> [first step, last step] the scheduler's trace shows it scheduled in, in order of first step."""
+    spans: dict[str, list[int]] = {}
+    for s in steps:
+        for rid in s["requests"]:
+            spans.setdefault(rid, [s["step"], s["step"]])[1] = s["step"]
+    return dict(sorted(spans.items(), key=lambda item: item[1][0]))
+
+
 def assert_waited_for_a_slot(steps: list[dict]) -> None:
     """The request that came third (after the two agents) was first scheduled in a step after an agent's last
     one: it waited for a free slot. Read from the scheduler's own trace, so the client threads' timing on a
     loaded machine cannot blur it (a 50 ms margin on client-side times failed twice on CI-class machines)."""
-    spans: dict[str, list[int]] = {}  # request id -> [first step, last step] it was scheduled in
-    for s in steps:
-        for rid in s["requests"]:
-            spans.setdefault(rid, [s["step"], s["step"]])[1] = s["step"]
-    *agents, late = sorted(spans, key=lambda rid: spans[rid][0])
+    spans = scheduled_spans(steps)
+    *agents, late = spans
     assert len(agents) == 2, spans
     assert spans[late][0] > min(spans[a][1] for a in agents), spans
 
@@ -114,14 +120,11 @@ def chat_met_agents(steps: list[dict]) -> bool:
     chat can wait before it is scheduled) an agent was scheduled in at least MET_STEPS more steps. The margin
     keeps the client-side order of the chat's first token and an agent's end meaningful. Read from the
     scheduler's trace: the client's view can lag the engine by seconds on a loaded machine."""
-    first: dict[str, int] = {}
-    for s in steps:
-        for rid in s["requests"]:
-            first.setdefault(rid, s["step"])
-    if len(first) < 3:
+    spans = scheduled_spans(steps)
+    if len(spans) < 3:
         return False
-    *agents, chat = sorted(first, key=first.get)[:3]
-    arrival = min([first[chat]] + [s["step"] for s in steps if s["waiting"] > 0 and s["step"] > first[agents[1]]])
+    *agents, chat = list(spans)[:3]
+    arrival = min([spans[chat][0]] + [s["step"] for s in steps if s["waiting"] > 0 and s["step"] > spans[agents[1]][0]])
     after = sum(s["step"] >= arrival and any(a in s["requests"] for a in agents) for s in steps)
     return after >= MET_STEPS
 
