@@ -282,7 +282,8 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         else:
             from bonsai_vllm.ternary.kernels import mma
 
-            mma.gemm(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
+            mma.gemm(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y,
+                     after_rotation=not rotated)  # [M, N]
         if bias is not None:
             y = (y + bias.float()).to(x.dtype)
     elif r.path == "gemv":

@@ -89,10 +89,6 @@ SHARED_DEFAULT = 48 * 1024  # what a launch gets without opting in
 # Launch as a programmatic dependent of the prep kernel by default (benchmarks/mma_gemm.py and stream_gemv.py
 # measure it against an ordinary launch).
 EARLY_LAUNCH = True
-# early_pays' second case, a grid that fits beside the prep: faster on the H200 and checked against float32 behind
-# dp4a.prepare only (seventeenth session); off until `make gpu-check` passes with it, the served path's rotation
-# + prep kernel ahead.
-EARLY_BESIDE_PREP = False
 
 # Batch rows up to which the residual term runs: on the H200 (benchmarks/mma_gemm.py, docs/benchmarks.md) it
 # costs 1.05-1.3x the plain kernel there and still beats the route it replaces at every shape; plain int8
@@ -255,26 +251,35 @@ def reserve(device: torch.device | str, n: int, k: int, config: MmaConfig, rows:
     shared_workspace(device).get(splits * rows * n if splits > 1 else 1, n // config.rows_per_cta())
 
 
-def early_pays(grid: int, rows: int, sms: int) -> bool:
-    """Whether a grid of `grid` CTAs for `rows` batch rows gains from starting while the prep runs. Fitted on the
-    H200 (the served call both ways, alternated; docs/benchmarks.md, seventeenth session): grids of two or more
-    CTAs per SM were 1-8 % faster early, but for gate_up at 32 rows and down_proj at 24 (5-6 % slower). Below
-    that it depends on what the prep leaves free: o_proj / GDN-out's 80 CTAs were 4-8 % faster early at 16-48
-    rows and 1.2x slower at 64; qkv's 112 3 % faster at 16 rows and up to 1.4x slower from 24; GDN-in's 128 up
-    to 1.44x slower from 16. `grid + rows <= sms` gets each of those right: the CTAs fit beside the prep, whose
-    programs grow with the rows (K / 1024 per row); otherwise they double up on the SMs left free, we think. It
-    leaves gate_up's 136 CTAs at 48 rows, 2 % faster early, launched the ordinary way. That second case waits
-    for EARLY_BESIDE_PREP."""
-    return grid >= 2 * sms or (EARLY_BESIDE_PREP and grid + rows <= sms)
+def early_pays(grid: int, rows: int, k: int, sms: int, after_rotation: bool = False) -> bool:
+    """Whether a grid of `grid` CTAs for `rows` batch rows of K = `k` inputs gains from starting while the prep
+    ahead of it runs. Both preps run one program per 1024 inputs of each row and release the kernel once all of
+    them have started; its CTAs then take what the prep leaves free on the SMs, and below one CTA per SM they can
+    double up on some SMs while others idle. Fitted on the H200, the served call forced both ways and alternated
+    at 3-64 rows (docs/benchmarks.md, eighteenth session; tests/core/test_mma.py keeps the points):
+    - behind dp4a.prepare (x rotated, as vLLM hands down_proj its input): early from two CTAs per SM (1-6 %
+      faster; 4-6 % slower at gate_up's 32 rows and down_proj's 20-24), or below that where the grid fits beside
+      the prep's rows (o_proj / GDN-out's 80 CTAs 3-7 % faster to 48 rows, qkv's 112 to 20) unless the prep's
+      programs run more than two per SM (down_proj's 80 CTAs at 40 rows: 1.34x slower early);
+    - behind the rotation + prep kernel (x unrotated, as served on the other five layers), whose programs run
+      longer: where the grid fits beside them (o_proj / GDN-out to 16 rows, 11-17 % faster), or from two CTAs per
+      SM while they are few (3-8 rows: 5-11 %) or many (gate_up from 56 rows: 1.5 %). In between, early lost up
+      to 1.52x (gate_up at 16 rows: 40.7 µs against 26.8), and from one CTA per SM down up to 1.8x."""
+    prep = rows * -(-k // 1024)  # the prep's programs
+    if after_rotation:
+        return grid + prep <= sms or (grid >= 2 * sms and (3 * prep <= sms or prep >= 2 * sms))
+    return grid >= 2 * sms or (grid + rows <= sms and prep <= 2 * sms)
 
 
 def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: MmaConfig, workspace,
-         out: torch.Tensor | None = None, early: bool | None = None, shared_mem: int | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, early: bool | None = None, shared_mem: int | None = None,
+         after_rotation: bool = False) -> torch.Tensor:
     """y [M, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales fp16
     [N, K/128]) applied to the M rows of `act` (1 <= M <= 64); `out` may be any [M, N] view with unit stride
     along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls). `early`:
     launched as a programmatic dependent of the kernel ahead of it (nvrtc.launch; sm_90 and later; None:
-    EARLY_LAUNCH where `early_pays` says so). `shared_mem`: launch with that many bytes of
+    EARLY_LAUNCH where `early_pays` says so; `after_rotation`: `act` comes from hadamard.rotate_dp4a, not
+    dp4a.prepare). `shared_mem`: launch with that many bytes of
     shared memory instead of the stages' own (at least those; benchmarks/mma_gemm.py pads CTAs so that the H200
     holds as many per SM as the RTX card would)."""
     n, kw = packed.shape
@@ -301,7 +306,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     # weights, then waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
     index = packed.device.index or 0
     if early is None:
-        early = EARLY_LAUNCH and early_pays(ctas * splits, m, nvrtc.sm_count(index))
+        early = EARLY_LAUNCH and early_pays(ctas * splits, m, kw * 16, nvrtc.sm_count(index), after_rotation)
     early = early and nvrtc.capability(index)[0] >= 9
     nvrtc.launch(fn, (ctas, splits, 1), (32 * config.warps * config.wm, 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
