@@ -1,12 +1,13 @@
 """The served ternary layers without W8 against bf16 cuBLAS, the byte floor and gemlite (issue 19; `make bench-layers`).
 
     PYTHONPATH=plugin python -m benchmarks.layers [--out DIR] [--ms 1,4,16,24,48,64,128] [--budget SECONDS]
-                                                  [--unrotated]
+                                                  [--rotated]
 
 On a CUDA GPU, for the six per-rank TP=2 layers of the 27B and batch rows M, in one run:
-- ours: `ternary_linear` as served on the 12 GB cards (W8 not kept at load), on rotated input (with `--unrotated`,
-  unrotated input and the layer's Hadamard signs wherever K is whole 1024-blocks, as served: the rotation + prep
-  kernel runs ahead instead of the prep alone; down_proj's 8704 stays rotated, as served), so the route is
+- ours: `ternary_linear` as served on the 12 GB cards (W8 not kept at load), on unrotated input with the layer's
+  Hadamard signs wherever K is whole 1024-blocks, as served: the rotation + prep kernel runs ahead of the GEMV or
+  mma kernel; down_proj's 8704 takes rotated input, as vLLM hands it over (`--rotated`: every layer on rotated
+  input, `dp4a.prepare` ahead, what the tables before 2026-12-04 timed), so the route is
   the dispatch's own (the streaming GEMV at 1-4 rows, the int8 tensor-core kernel to 64, the GEMM decoding the
   codes to 512, W8 expanded per call beyond); and the same call with the CUDA C kernels launched the ordinary
   way instead of as programmatic dependents of the prep where the rule launches them so (nvrtc.launch's
@@ -69,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--layers", default=",".join(name for name, _, _ in SHAPES))
     ap.add_argument("--budget", type=float, default=1e9, help="seconds of checks and timings, then the table")
-    ap.add_argument("--unrotated", action="store_true",
-                    help="unrotated x and the rotation + prep kernel ahead, as served, where K is whole 1024-blocks")
+    ap.add_argument("--rotated", action="store_true",
+                    help="rotated x and dp4a.prepare ahead on every layer (the served path rotates x itself where K "
+                         "is whole 1024-blocks)")
+    ap.add_argument("--unrotated", action="store_true", help="the default (kept for the commands docs/benchmarks.md "
+                                                             "recorded)")
     args = ap.parse_args(argv)
     ms, layers = [int(v) for v in args.ms.split(",")], args.layers.split(",")
     from bonsai_vllm.ternary.kernels import linear
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         layer = bk.served_copies(n, k, dev, seed=7, l2=l2)
         w_ref, dense, copies = layer.w_ref, layer.dense, layer.copies
-        tws, signs = served_with_signs(layer) if args.unrotated else (layer.served, None)
+        tws, signs = (layer.served, None) if args.rotated else served_with_signs(layer)
         rotated = signs is None
         gl = [gemlite_layer(p, s) for p, s in layer.tern] if version else None
         floor = layer.nbytes / bw * 1e6
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             bk.say(f"  {name:8s} M={m:4d} ours {t_ours:8.2f} µs ({route.path}, err {err:.1e}; ordinary launch "
                    f"{t_late:8.2f})  bf16 {t_bf16:8.2f}  "
                    f"floor {floor:6.2f}  gemlite {t_gl:8.2f} (err {err_gl:.1e})")
-    x_kind = "unrotated where K is whole 1024-blocks (the rotation + prep kernel ahead)" if args.unrotated else "rotated"
+    x_kind = "rotated" if args.rotated else "unrotated where K is whole 1024-blocks (the rotation + prep kernel ahead)"
     lines = [f"anchor: {anchor}; copy bandwidth {bw / 1e12:.2f} TB/s; x {x_kind}", "",
              "| layer | M | route | ours µs | error | ordinary launch µs | bf16 µs | × bf16 | floor µs | % of copy bw | "
              "gemlite µs | gemlite error | × gemlite |", "|" + "---|" * 13]

@@ -1,7 +1,7 @@
 """benchmarks/anchors.py hands gemlite (the issue-19 anchor of `make bench-layers`) our codes in HQQ's form,
 W = (W_q - zero) · scale per group of 128; were that conversion wrong, the anchor would time another layer. The
-timing itself needs a CUDA GPU. benchmarks/layers.py's `--unrotated` copies must be the same layer behind a
-rotation: checked here on CPU against the float32 maths."""
+timing itself needs a CUDA GPU. benchmarks/layers.py's served copies (x unrotated, its default) must be the same
+layer behind a rotation: checked here on CPU against the float32 maths."""
 
 import torch
 
