@@ -65,6 +65,27 @@ def test_prepare_matches_its_reference_bit_for_bit(k, m):
     assert torch.equal(dp4a.prepare(x[m - 1]).xa.cpu()[0], got.xa.cpu()[m - 1])
 
 
+@pytest.mark.parametrize("bm,m", [(2, 3), (4, 5)])
+def test_rotate_dp4a_rows_per_program_give_the_same_bits(bm, m):
+    # several rows per program (the last one part empty): the same maths per group, so the same bits as one row
+    # per program, and nothing written past row M
+    from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a
+
+    k = 2048
+    x = rows_of(m, k, seed=bm)
+    signs = (torch.randint(0, 2, (k,), generator=torch.Generator().manual_seed(2)).float() * 2 - 1).to(DEV)
+    want = rotate_dp4a(x, signs, 1024, bm=1)
+    out = dp4a.empty_activations(k, x.device, m + 1)
+    for t in (out.xa, out.xr, out.gx, out.gr):
+        t.fill_(-7)
+    out.s.fill_(float("nan"))
+    got = rotate_dp4a(x, signs, 1024, bm=bm, out=dp4a.Dp4aActivations(*(t[:m] for t in (out.xa, out.xr, out.gx,
+                                                                                         out.gr, out.s))))
+    for name in ("xa", "xr", "gx", "gr", "s"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
+        assert torch.all(getattr(out, name)[m].cpu().float().isnan() | (getattr(out, name)[m].cpu() == -7)), name
+
+
 def _unplanar(p: torch.Tensor) -> torch.Tensor:
     """[4, K/16] int32 planar bytes (one row) -> int8 values [K] in input order (Dp4aActivations' layout)."""
     kw = p.shape[1]

@@ -170,36 +170,43 @@ if triton is not None:
         return tl.minimum(tl.maximum(tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5)), -127.0), 127.0)
 
     @triton.jit
-    def _prepare_groups(x, g0, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, GB: tl.constexpr, INV127: tl.constexpr):
-        """Prepare groups [g0, g0 + GB) of the row from x float32 [GB, 128] (its inputs in natural order):
-        stores their bytes, sums and scales (see Dp4aActivations). Shared by _prepare_kernel and the rotation
-        kernel that prepares straight from its float32 result (hadamard._rotate_dp4a_kernel)."""
+    def _prepare_groups(x, row0, M, g0, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, R: tl.constexpr, GB: tl.constexpr,
+                        INV127: tl.constexpr):
+        """Prepare groups [g0, g0 + GB) of rows [row0, row0 + R) (rows from M on skipped) from x float32
+        [R · GB, 128] (row-major over (row, group), each group's inputs in natural order): stores their bytes,
+        sums and scales (see Dp4aActivations). Shared by _prepare_kernel and the rotation kernel that prepares
+        straight from its float32 result (hadamard._rotate_dp4a_kernel)."""
         G = K // 128
-        rg = g0 + tl.arange(0, GB)
-        gmask = rg < G
+        RG: tl.constexpr = R * GB
+        gi = tl.arange(0, RG)
+        row = row0 + gi // GB
+        rg = g0 + gi % GB
+        gmask = (rg < G) & (row < M)
         # The same float32 operations as prepare_reference, so both agree bit for bit on any device: the
         # scale as a product with the float32 of 1/127 (torch on CUDA divides by a scalar that way), one
         # IEEE-rounded reciprocal per group (div_rn; Triton's default division is approximate), then
         # products only, per input (the launch turns FMA contraction off: x − x8·s1 is rounded twice).
-        s1 = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) * INV127  # [GB]
-        x8 = _round_int8(x * tl.math.div_rn(tl.full([GB], 1.0, tl.float32), s1)[:, None])
+        s1 = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30) * INV127  # [RG]
+        x8 = _round_int8(x * tl.math.div_rn(tl.full([RG], 1.0, tl.float32), s1)[:, None])
         r = x - x8 * s1[:, None]
         s2 = tl.maximum(tl.max(tl.abs(r), axis=1), 1e-30) * INV127
-        r8 = _round_int8(r * tl.math.div_rn(tl.full([GB], 1.0, tl.float32), s2)[:, None])
+        r8 = _round_int8(r * tl.math.div_rn(tl.full([RG], 1.0, tl.float32), s2)[:, None])
         q1 = x8.to(tl.int32)
         q2 = r8.to(tl.int32)
-        tl.store(gx_ptr + rg, tl.sum(q1, axis=1), mask=gmask)
-        tl.store(gr_ptr + rg, tl.sum(q2, axis=1), mask=gmask)
-        tl.store(s_ptr + rg, s1, mask=gmask)
-        tl.store(s_ptr + G + rg, s2, mask=gmask)
-        # planar bytes: input 16w + 4b + j -> word w of lane j, byte b. [GB·8 words, 4 (b), 4 (j)], summed over b.
-        WB: tl.constexpr = GB * 8
+        tl.store(gx_ptr + row * G + rg, tl.sum(q1, axis=1), mask=gmask)
+        tl.store(gr_ptr + row * G + rg, tl.sum(q2, axis=1), mask=gmask)
+        tl.store(s_ptr + row * (2 * G) + rg, s1, mask=gmask)
+        tl.store(s_ptr + row * (2 * G) + G + rg, s2, mask=gmask)
+        # planar bytes: input 16w + 4b + j -> word w of lane j, byte b. [RG·8 words, 4 (b), 4 (j)], summed over b.
+        WB: tl.constexpr = RG * 8
         shift = (tl.arange(0, 4) * 8)[None, :, None]
         p1 = tl.sum(tl.reshape(q1 & 0xFF, (WB, 4, 4)) << shift, axis=1)  # [WB, 4 (j)]
         p2 = tl.sum(tl.reshape(q2 & 0xFF, (WB, 4, 4)) << shift, axis=1)
-        rw = g0 * 8 + tl.arange(0, WB)
-        offs = tl.arange(0, 4)[None, :] * (K // 16) + rw[:, None]
-        wmask = (rw < K // 16)[:, None]
+        wi = tl.arange(0, WB)
+        wrow = row0 + wi // (GB * 8)
+        rw = g0 * 8 + wi % (GB * 8)  # the word within its row
+        offs = wrow[:, None] * (K // 4) + tl.arange(0, 4)[None, :] * (K // 16) + rw[:, None]
+        wmask = ((rw < K // 16) & (wrow < M))[:, None]
         tl.store(xa_ptr + offs, p1, mask=wmask)
         tl.store(xr_ptr + offs, p2, mask=wmask)
 
@@ -213,14 +220,8 @@ if triton is not None:
         rg = tl.program_id(0) * GB + tl.arange(0, GB)
         ri = tl.arange(0, 128)
         x = tl.load(x_ptr + m * stride_x + rg[:, None] * 128 + ri[None, :], mask=(rg < K // 128)[:, None], other=0.0)
-        xa, xr, gx, gr, sc = _row_ptrs(m, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr)
-        _prepare_groups(x.to(tl.float32), tl.program_id(0) * GB, K, xa, xr, gx, gr, sc, GB, INV127)
-
-    @triton.jit
-    def _row_ptrs(m, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr):
-        """Row m's part of the activations (Dp4aActivations' layout)."""
-        return (xa_ptr + m * (K // 4), xr_ptr + m * (K // 4), gx_ptr + m * (K // 128), gr_ptr + m * (K // 128),
-                s_ptr + m * (K // 64))
+        _prepare_groups(x.to(tl.float32), m, m + 1, tl.program_id(0) * GB, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr,
+                        1, GB, INV127)
 
     @triton.jit
     def _gemv_kernel(w_ptr, sc_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, s_ptr, y_ptr, ws_ptr, cnt_ptr, N, KW, CHUNK,

@@ -34,7 +34,7 @@ _FACTORS = {256: (16, 16), 512: (16, 32), 1024: (32, 32)}
 _TILES = {**_FACTORS, 128: (8, 16)}
 
 if triton is not None:
-    from bonsai_vllm.ternary.kernels.dp4a import _prepare_groups, _row_ptrs  # the dp4a prep of a block's groups
+    from bonsai_vllm.ternary.kernels.dp4a import _prepare_groups  # the dp4a prep of a block's groups
     from bonsai_vllm.triton_runtime import launch_dependents
 
     @triton.jit
@@ -133,21 +133,20 @@ if triton is not None:
         tl.store(q_ptr + m * stride_q + cols, _int8_of(x, scale), mask=mask)
         tl.store(qs_ptr + m, scale)
 
-    @triton.jit
-    def _rotate_dp4a_kernel(x_ptr, s_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, sc_ptr, K, stride_x, norm,
-                            B1: tl.constexpr, B2: tl.constexpr, SPLIT_X: tl.constexpr, DT: tl.constexpr,
-                            INV127: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
-        # grid: (K / (B1·B2), M). Program (t, m) rotates block t of row m and prepares its groups of 128.
-        # The GEMV after it (stream_gemv, launched as a programmatic dependent) may start streaming its codes now.
+    @triton.jit(do_not_specialize=["M"])
+    def _rotate_dp4a_kernel(x_ptr, s_ptr, xa_ptr, xr_ptr, gx_ptr, gr_ptr, sc_ptr, M, K, stride_x, norm,
+                            BM: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, SPLIT_X: tl.constexpr,
+                            DT: tl.constexpr, INV127: tl.constexpr, EARLY_LAUNCH: tl.constexpr):
+        # grid: (K / (B1·B2), cdiv(M, BM)). Program (t, p) rotates block t of rows [p·BM, p·BM + BM) and prepares
+        # their groups of 128. The kernel after it (a programmatic dependent) may start fetching its codes now.
         launch_dependents(EARLY_LAUNCH)
         TILE: tl.constexpr = B1 * B2
         t = tl.program_id(0)
-        m = tl.program_id(1)
-        row = tl.arange(0, 1)
-        y = _tile(x_ptr + m * stride_x, s_ptr, row, row < 1, t * TILE, 0, norm, 1, B1, B2, True, SPLIT_X, DT)
-        xa, xr, gx, gr, sc = _row_ptrs(m, K, xa_ptr, xr_ptr, gx_ptr, gr_ptr, sc_ptr)
-        _prepare_groups(tl.reshape(y, (TILE // 128, 128)), t * (TILE // 128), K, xa, xr, gx, gr, sc,
-                        TILE // 128, INV127)  # y [1, B1, B2] as the block's groups
+        row0 = tl.program_id(1) * BM
+        rows = row0 + tl.arange(0, BM)
+        y = _tile(x_ptr, s_ptr, rows, rows < M, t * TILE, stride_x, norm, BM, B1, B2, True, SPLIT_X, DT)
+        _prepare_groups(tl.reshape(y, (BM * (TILE // 128), 128)), row0, M, t * (TILE // 128), K, xa_ptr, xr_ptr,
+                        gx_ptr, gr_ptr, sc_ptr, BM, TILE // 128, INV127)  # y [BM, B1, B2] as the rows' groups
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -220,8 +219,24 @@ def _launch(x, signs, b1, b2, order, dtype, out, bm, num_warps):
     return y if order else y.view(x.shape)
 
 
-def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=None):
-    """Rows x [K] or [M, K] -> dp4a.Dp4aActivations of H(s ⊙ x) per `block`, one launch (the decode rows).
+# Batch rows from which rotate_dp4a's programs take two rows each. On the H200 (docs/benchmarks.md, eighteenth
+# session) the kernel alone is 0.05-0.15 µs slower so up to 24-32 rows and 0.5-0.7 µs faster above (where one row
+# per program needs more than a wave), and it runs half the programs, so the mma kernel after it can start early
+# at more row counts (mma.early_pays): served, o_proj /
+# GDN-out 1.06-1.09x faster at 24-32 rows, gate_up 1.06x at 12-16, every layer 1.01-1.03x at 32-64, within
+# 1.3 % slower at a few points of 12-24 rows. Four or eight rows per program were slower at every row count.
+ROTATE_PAIRS_FROM = 8
+
+
+def rotate_rows_per_program(m: int) -> int:
+    """Rows each program of rotate_dp4a rotates and prepares for m rows."""
+    return 2 if m >= ROTATE_PAIRS_FROM else 1
+
+
+def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=None, bm: int | None = None,
+                num_warps: int = 4):
+    """Rows x [K] or [M, K] -> dp4a.Dp4aActivations of H(s ⊙ x) per `block`, one launch (the decode rows);
+    `bm` rows per program (a power of two; None: rotate_rows_per_program).
 
     Equals dp4a.prepare_reference(signed_block_hadamard(x, signs, block)) up to the rotation's float32
     rounding (an input on a rounding boundary of its int8 may land one step over)."""
@@ -233,10 +248,11 @@ def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=
     m, k = x2.shape
     b1, b2 = _FACTORS[block]
     act = dp4a.empty_activations(k, x.device, m) if out is None else out
-    _rotate_dp4a_kernel[(k // block, m)](x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, k, x2.stride(0),
-                                         1.0 / math.sqrt(block), B1=b1, B2=b2, SPLIT_X=x.dtype != torch.bfloat16,
-                                         DT=dot_dtype(), INV127=dp4a.INV127, EARLY_LAUNCH=early_launch(x2),
-                                         num_warps=4, enable_fp_fusion=False)
+    bm = rotate_rows_per_program(m) if bm is None else bm
+    _rotate_dp4a_kernel[(k // block, triton.cdiv(m, bm))](
+        x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, m, k, x2.stride(0), 1.0 / math.sqrt(block), BM=bm, B1=b1,
+        B2=b2, SPLIT_X=x.dtype != torch.bfloat16, DT=dot_dtype(), INV127=dp4a.INV127, EARLY_LAUNCH=early_launch(x2),
+        num_warps=num_warps, enable_fp_fusion=False)
     return act
 
 

@@ -267,7 +267,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         return _reference(x, tw, rotated, bias)
     if r.path in ("dp4a", "mma", "stream"):
         from bonsai_vllm.ternary.kernels import dp4a
-        from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a
+        from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a, rotate_rows_per_program
 
         # rotation and prep in one kernel (or the prep alone when x comes rotated); the kernel stores y in
         # x's dtype itself unless a bias is added after it in float32
@@ -283,7 +283,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
             from bonsai_vllm.ternary.kernels import mma
 
             mma.gemm(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y,
-                     after_rotation=not rotated)  # [M, N]
+                     rotation_rows=0 if rotated else rotate_rows_per_program(m))  # [M, N]
         if bias is not None:
             y = (y + bias.float()).to(x.dtype)
     elif r.path == "gemv":
