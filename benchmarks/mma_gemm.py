@@ -42,8 +42,8 @@ SHAPES = bk.SHAPES
 def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0,
           gpus: tuple[mma.Gpu, ...] = (mma.H200,)) -> list[MmaConfig]:
     """The configurations timed for m rows: the defaults of the rules for `gpus` alone (`quick`), or the sweep
-    the rules came from (warps and row tiles per CTA, warps along the batch, K slices, stages × groups per
-    stage); with `min_shared`, only the sweep's configurations above that many bytes of shared memory (and the
+    the rules came from (warps and row tiles per CTA, warps along the batch and along K, K slices, stages ×
+    groups per stage); with `min_shared`, only the sweep's configurations above that many bytes of shared memory (and the
     defaults)."""
     defaults = [d for d in dict.fromkeys(mma.default_config(m, n, k, g) for g in gpus) if d is not None]
     if quick:
@@ -51,10 +51,12 @@ def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0,
     residual = (m <= mma.RESIDUAL_MAX_M,)  # the rule's choice: the sweep times the instances it can serve
     # the instance m rows run without batch warps (seven column tiles run eight); batch warps must divide its tiles
     tiles = MmaConfig(4, 1, 1, False).tiles(m)
-    layouts = [(w, r, 1) for w, r in ((2, 1), (4, 1), (4, 2), (8, 1))]  # (2, 1): 32-row CTAs, twice the CTAs
-    layouts += [(4, r, wm) for r in (1, 2) for wm in (2, 3, 4)]
+    layouts = [(w, r, 1, 1) for w, r in ((2, 1), (4, 1), (4, 2), (8, 1))]  # (2, 1): 32-row CTAs, twice the CTAs
+    layouts += [(4, r, wm, 1) for r in (1, 2) for wm in (2, 3, 4)]
+    # warps along K inside the CTA (each takes every ks-th group of a stage): more warps per SM on the same tiles
+    layouts += [(w, 1, wm, ks) for w in (2, 4) for wm in (1, 2, 3) for ks in (2, 4)]
     pipes = ((4, 1), (6, 1), (8, 1), (3, 2), (4, 2), (5, 2), (2, 4), (3, 4))  # (stages, groups per stage)
-    cands = [c for c in (MmaConfig(w, r, s, res, st, gps, wm) for w, r, wm in layouts for s in (1, 2, 4, 8)
+    cands = [c for c in (MmaConfig(w, r, s, res, st, gps, wm, ks) for w, r, wm, ks in layouts for s in (1, 2, 4, 8)
                          for res in residual for st, gps in pipes)
              if c.tiles(m) == tiles and c.fits(tiles) and c.shared_bytes(tiles) > min_shared]
     cands += [d for d in defaults if d not in cands]
@@ -67,7 +69,7 @@ def rtx_shared(m: int, config: MmaConfig) -> int | None:
     from tools.compile_check import ctas_per_sm, resources, shared_for_ctas
 
     name = mma.template(m, config, torch.float32)
-    threads = 32 * config.warps * config.wm
+    threads = config.threads()
     dynamic = config.shared_bytes(config.tiles(m))
     held = {}
     for target in (90, 120):

@@ -7,7 +7,7 @@ Timing belongs to the benchmarks (CUDA-graph replays over copies that miss L2); 
 each case's kernels `calls` times, eagerly, on one weight copy and fresh activations, after one checked call
 (the output against mma.gemm_reference or the dp4a reference), so a profile is never of a wrong kernel. One
 row goes through dp4a, 2-64 rows through mma.gemm with the default configuration or the case's own
-(`layer:rows:config`, MmaConfig's fields in order: warps, rtiles, split, residual, stages, gps, wm);
+(`layer:rows:config`, MmaConfig's fields in order: warps, rtiles, split, residual, stages, gps, wm, ks);
 `layer:rows:stream[:words,rows,prefetch,ctas_per_sm]` runs the streaming GEMV (1-2 rows)."""
 
 from __future__ import annotations

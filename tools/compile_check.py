@@ -307,7 +307,7 @@ def compile_cuda(capability: int) -> list[Compiled]:
     out = []
     for name, (config, tiles) in sorted(instances.items()):
         r = resources(mma.compile_instance(name, str(capability))[0])
-        out.append(Compiled("ternary_mma", capability, config.warps * config.wm, config.stages,
+        out.append(Compiled("ternary_mma", capability, config.threads() // 32, config.stages,
                             r.static_shared + config.shared_bytes(tiles), r.registers, r.spill_bytes, name))
     # the one-row streaming GEMV (its shared memory is dynamic: the warp sums of the largest row range, which
     # the RTX 5070's 48 SMs give)

@@ -26,7 +26,7 @@ from bonsai_vllm.ternary.kernels import mma
 from bonsai_vllm.ternary.kernels.dp4a import GROUP
 from bonsai_vllm.ternary.kernels.mma import MmaConfig
 
-Entry = tuple  # (warps, rtiles, stages, gps, wm, CTAs per SM, fewest groups per slice): one row of mma's tables
+Entry = tuple  # (warps, rtiles, stages, gps, wm, CTAs per SM, fewest groups per slice[, ks]): one row of mma's tables
 
 
 @dataclass
@@ -76,7 +76,8 @@ def entry(config: MmaConfig, n: int, k: int, sms: int) -> Entry:
         per_sm, min_groups = row_tiles * config.split / sms, groups // config.split
         per_sm = int(per_sm) if per_sm == int(per_sm) else round(per_sm, 3)
     assert mma.k_slices(row_tiles, groups, per_sm, min_groups, sms) == config.split, (config, n, k, sms)
-    return (config.warps, config.rtiles, config.stages, config.gps, config.wm, per_sm, min_groups)
+    row = (config.warps, config.rtiles, config.stages, config.gps, config.wm, per_sm, min_groups)
+    return row + (config.ks,) if config.ks > 1 else row
 
 
 def spills_on(target: int) -> Callable[[int, MmaConfig], bool]:

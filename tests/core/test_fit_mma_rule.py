@@ -19,8 +19,8 @@ def fit_rule():
     return fit_mma_rule
 
 
-def C(warps=4, rtiles=1, split=1, residual=False, stages=2, gps=4, wm=1) -> MmaConfig:
-    return MmaConfig(warps, rtiles, split, residual, stages, gps, wm)
+def C(warps=4, rtiles=1, split=1, residual=False, stages=2, gps=4, wm=1, ks=1) -> MmaConfig:
+    return MmaConfig(warps, rtiles, split, residual, stages, gps, wm, ks)
 
 
 def sweep_file(tmp_path, name, rows, sms=48):
@@ -33,8 +33,17 @@ def sweep_file(tmp_path, name, rows, sms=48):
 
 
 def test_parse_reads_what_str_prints():
-    for c in (C(), C(8, 2, 4, True, 3, 2, 3), C(wm=2)):
+    for c in (C(), C(8, 2, 4, True, 3, 2, 3), C(wm=2), C(ks=4), C(2, 2, wm=3, ks=2)):
         assert MmaConfig.parse(str(c)) == c
+
+
+def test_an_entry_with_warps_along_k_gives_back_its_config(fit_rule):
+    # the table row carries ks as an eighth field only where it is not 1, and default_config reads it back
+    from bonsai_vllm.ternary.kernels import mma
+
+    assert fit_rule.entry(C(ks=2), 5120, 3072, 132) == (4, 1, 2, 4, 1, 0, 2, 2)
+    assert fit_rule.entry(C(), 5120, 3072, 132) == (4, 1, 2, 4, 1, 0, 2)
+    assert mma.default_config(24, 5120, 3072, mma.H200) == C(ks=2)
 
 
 def test_a_class_takes_the_config_best_over_all_its_layers(fit_rule, tmp_path):

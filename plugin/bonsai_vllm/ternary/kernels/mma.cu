@@ -22,10 +22,12 @@
 //     y[m, n] += scale[n, g] · (s1[m, g] · (Σ u·x8 − Σ x8) + s2[m, g] · (Σ u·r8 − Σ r8))       (float32)
 // the same integer maths as dp4a.gemv_reference; RES = false drops the r8 term (x to int8 per group only).
 //
-// Work split: a CTA of WARPS · WM warps covers 16 · R · WARPS output rows and all T·8 batch rows (M <= 64) over
-// the groups of its K slice (blockIdx.y); warp (wr, wm) takes R row tiles and T / WM of the batch's column
-// tiles. The CTA's codes, activations and per-row scalars for the next STAGES - 1 stages (GPS groups each) are
-// in flight through cp.async into shared memory while this stage's products run: the bytes in flight grow
+// Work split: a CTA of WARPS · WM · KS warps covers 16 · R · WARPS output rows and all T·8 batch rows (M <= 64)
+// over the groups of its K slice (blockIdx.y); warp (wr, wm, ks) takes R row tiles, T / WM of the batch's column
+// tiles and every KS-th group of each stage (KS > 1: more warps per SM on the same tile, their sums added through
+// shared memory at the end; no more CTAs, partials or counters). The CTA's codes, activations and per-row
+// scalars for the next STAGES - 1 stages (GPS groups each) are in flight through cp.async into shared memory
+// while this stage's products run: the bytes in flight grow
 // with STAGES and cost no registers, and each CTA fetches the activations once for all its warps. (The first
 // version kept one group ahead per warp in registers and ran 1.3-2x slower at 8-64 rows: docs/benchmarks.md.)
 // With several K slices each CTA writes its float32 partial tile and the last CTA of a row tile (a counter per
@@ -164,8 +166,8 @@ struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loa
   static __device__ __forceinline__ int chunk(int ml, int q) { return ml * C + (q ^ ((ml / (8 / C)) % C)); }
 };
 
-template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS>
-__global__ void __launch_bounds__(WARPS * WM * 32)
+template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS, int KS = 1>
+__global__ void __launch_bounds__(WARPS * WM * KS * 32)
 ternary_mma(const u32* __restrict__ codes,   // [N, KW]
             const u16* __restrict__ scales,  // fp16 [N, G]
             const u32* __restrict__ xa,      // [M, 4, KW] planar int8 of x
@@ -181,20 +183,31 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
   static_assert(GPS == 1 || GPS == 2 || GPS == 4, "a stage is one, two or four groups");
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert(T % WM == 0, "the batch's column tiles split evenly over WM warps");
+  static_assert(GPS % KS == 0, "a stage's groups split evenly over the KS warps along K");
   constexpr int TJ = T / WM;            // column tiles of one warp
-  constexpr int NT = WARPS * WM * 32;   // threads of the CTA
+  constexpr int NT1 = WARPS * WM * 32;  // threads of one K slice of the CTA's warps
+  constexpr int NT = NT1 * KS;          // threads of the CTA
+  // With KS > 1 the CTA's warps split each stage's groups KS ways and add their sums through shared memory at
+  // the end, over the stages' bytes: the slices' partial tiles, slice s > 0 at [s - 1][element][thread].
+  constexpr int RED_BYTES = (KS - 1) * R * TJ * 4 * NT1 * 4;
+  static_assert(RED_BYTES <= 99 * 1024 - 16, "shared memory: 99 KB per block at most (sm_120)");
   // The stages live in dynamic shared memory (mma.py sizes the launch from MmaConfig.shared_bytes and opts the
   // kernel in above 48 KB): two stages of four groups at 25-64 rows do not fit the 48 KB of static shared
   // memory. 99 KB is sm_120's limit per block (the H200 allows 227 KB); write_tile's flag is the 16 bytes kept.
   static_assert(sizeof(S) * STAGES <= 99 * 1024 - 16, "shared memory: 99 KB per block at most (sm_120)");
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   S* stage = reinterpret_cast<S*>(dynamic_shared);
-  if (threadIdx.x == 0 && dynamic_shared_bytes() < sizeof(S) * STAGES) __trap();  // launched with too little
+  if (threadIdx.x == 0 && dynamic_shared_bytes() < (sizeof(S) * STAGES > RED_BYTES ? sizeof(S) * STAGES : RED_BYTES))
+    __trap();  // launched with too little
 
   const int G = KW / 8;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3, shift = 2 * t;
-  const int wr = warp % WARPS, wm = warp / WARPS;  // this warp's row tiles and column tiles
+  // This warp's row tiles, column tiles and share of each stage's groups. Written so that KS = 1 compiles to the
+  // code from before warps along K: any change here moved ptxas' register allocation (a 40-row instance went
+  // from 145 registers to 109 and ran 1.12-1.18x slower on the H200).
+  const int wr = warp % WARPS, wm = KS > 1 ? (warp / WARPS) % WM : warp / WARPS;
+  const int ks = KS > 1 ? warp / (WARPS * WM) : 0;
   const int cta_row0 = blockIdx.x * S::ROWS;
   const int row0 = cta_row0 + wr * 16 * R;  // this warp's first output row
   const int g0 = blockIdx.y * groups_per_split;
@@ -334,6 +347,7 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
       }
 #pragma unroll
     for (int gi = 0; gi < GPS; ++gi) {
+      if (KS > 1 && gi % KS != ks) continue;             // another warp's group (warp-uniform)
       if (GPS > 1 && g0 + GPS * i + gi >= g1) continue;  // the slice's last stage may be short (warp-uniform)
       u32 a[R][4][4];
 #pragma unroll
@@ -412,5 +426,30 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
     }
   }
   copy_wait<0>();
-  write_tile<TJ, R, OUT>(acc, y, partials, counters, M, N, ldy, row0, g, t, wm * TJ);
+  if (KS > 1) {
+    __syncthreads();  // every warp is past its last stage: the stages' memory takes the partial tiles
+    float* red = reinterpret_cast<float*>(dynamic_shared);
+    const int lt = threadIdx.x % NT1;
+    if (ks > 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < TJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) red[(((ks - 1) * R + r) * TJ * 4 + j * 4 + e) * NT1 + lt] = acc[r][j][e];
+    }
+    __syncthreads();
+    if (ks == 0) {
+#pragma unroll
+      for (int k = 1; k < KS; ++k)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int j = 0; j < TJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[r][j][e] += red[(((k - 1) * R + r) * TJ * 4 + j * 4 + e) * NT1 + lt];
+    }
+  }
+  // the other K slices' warps store nothing (row0 = N), but take part in write_tile's barriers
+  write_tile<TJ, R, OUT>(acc, y, partials, counters, M, N, ldy, ks == 0 ? row0 : N, g, t, wm * TJ);
 }

@@ -44,11 +44,13 @@ class MmaConfig:
     residual: bool  # also the r8 term: x to ~2e-5 instead of int8's ~6e-3
     stages: int = 4  # shared-memory stages of the cp.async pipeline (stages - 1 in flight)
     gps: int = 1  # groups of 128 inputs per stage (1, 2 or 4)
-    wm: int = 1  # warps along the batch: each takes 1/wm of the column tiles (the CTA has warps · wm warps)
+    wm: int = 1  # warps along the batch: each takes 1/wm of the column tiles
+    ks: int = 1  # warps along K inside the CTA: each takes every ks-th group of a stage (warps · wm · ks warps)
 
     def __str__(self) -> str:
         return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)} "
-                f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else ""))
+                f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else "")
+                + (f" ks={self.ks}" if self.ks > 1 else ""))
 
     @classmethod
     def parse(cls, text: str) -> "MmaConfig":
@@ -56,7 +58,7 @@ class MmaConfig:
         fields = dict(part.split("=") for part in text.split())
         return cls(warps=int(fields["warps"]), rtiles=int(fields["rtiles"]), split=int(fields["split"]),
                    residual=fields["residual"] == "1", stages=int(fields["stages"]), gps=int(fields["gps"]),
-                   wm=int(fields.get("wm", 1)))
+                   wm=int(fields.get("wm", 1)), ks=int(fields.get("ks", 1)))
 
     def tiles(self, m: int) -> int:
         """Column tiles of the instance that runs m rows: 8 rows each, rounded up to a multiple of wm, and seven
@@ -76,10 +78,16 @@ class MmaConfig:
         pitch = 8 * self.gps + (4 if self.gps == 4 else 0)  # PipeStage::CWP
         words = (self.rows_per_cta() * pitch + (1 + res) * 8 * tiles * 4 * 8 * self.gps
                  + self.gps * (2 + 2 * res) * 8 * tiles + self.rows_per_cta() * (self.gps // 2 + 1))
-        return self.stages * 4 * words
+        # with warps along K, the partial tiles they add at the end (mma.cu's RED_BYTES), over the stages' bytes
+        reduction = (self.ks - 1) * self.rtiles * (tiles // self.wm) * 4 * 32 * self.warps * self.wm * 4
+        return max(self.stages * 4 * words, reduction)
+
+    def threads(self) -> int:
+        return 32 * self.warps * self.wm * self.ks
 
     def fits(self, tiles: int) -> bool:
-        return tiles % self.wm == 0 and self.shared_bytes(tiles) <= SHARED_MAX
+        return (tiles % self.wm == 0 and self.gps % self.ks == 0 and self.threads() <= 1024
+                and self.shared_bytes(tiles) <= SHARED_MAX)
 
 
 # Dynamic shared memory of one CTA: sm_120's opt-in limit per block (99 KB; the H200's is 227 KB), less the
@@ -125,7 +133,7 @@ RTX_5070 = Gpu(120, 48)  # the target card of a 12 GB pair (docs/benchmarks.md's
 
 # Per column tiles T (8 batch rows each) and layer class: (warps along the output rows, row tiles per warp,
 # stages, groups per stage, warps along the batch, CTAs per SM the K slices aim for, fewest groups of 128 in a
-# slice).
+# slice[, warps along K inside the CTA: 1 when left out]).
 #
 # The H200's tables, from its sweeps (benchmarks/mma_gemm.py, 6 shapes, docs/benchmarks.md). Up to 24 rows (the
 # lean-copy kernel's sweep, static shared memory): two stages of four groups on four warps, and from 9 rows one K
@@ -136,10 +144,15 @@ RTX_5070 = Gpu(120, 48)  # the target card of a 12 GB pair (docs/benchmarks.md's
 # 41-48 rows), and three stages at 33-40 rows (five column tiles, no batch split). At 25-32 rows the other layers
 # take two batch warps, within 0.5 % of four, whose sm_120 build spills 8 bytes. Per row count and class the rule
 # is the sweep's fastest configuration (the classes' other layers within 1 %). The shallow layers rank as the
-# other class does.
-_OTHER = {1: (4, 1, 2, 4, 1, 3, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 2, 4, 2, 0, 2),
+# other class does. Warps along K inside the CTA (eighteenth session, the served call behind the rotation + prep
+# kernel): two at 17-24 rows on qkv / GDN-in / o_proj / GDN-out (1.13-1.15x faster), four with one batch warp at
+# 25-32 rows (1.05x against the two batch warps before), two on gate_up at 41-48 rows with 32-row warps of two
+# tiles (1.04-1.08x); elsewhere they lost (up to 3x at 8 rows, where a stage's four groups split too thin) or
+# were level served (33-40 rows, three stages; see docs/dev-notes.md).
+_OTHER = {1: (4, 1, 2, 4, 1, 3, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2, 2), 4: (4, 1, 2, 4, 1, 0, 2, 4),
           5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
-_WIDE = {**_OTHER, 4: (4, 1, 2, 4, 1, 0, 2), 5: (4, 1, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 1, 0, 2)}
+_WIDE = {**_OTHER, 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 2, 4, 1, 0, 2), 5: (4, 1, 2, 4, 1, 0, 2),
+         6: (2, 2, 2, 4, 1, 0, 2, 2)}
 _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (4, 1, 2, 4, 1, 8, 12), 4: (4, 1, 2, 4, 2, 8, 6),
          5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 8, 6), 7: (4, 1, 2, 4, 4, 8, 6), 8: (4, 1, 2, 4, 4, 8, 6)}
 # The RTX 50's tables, from sweeps on the H200 with each launch's shared memory padded so that an SM holds as
@@ -187,9 +200,9 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200) -> MmaConfig | None:
     if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
     groups = k // GROUP
-    warps, rtiles, stages, gps, wm, per_sm, min_groups = _TABLES[gpu.rtx50][layer_class(n, k)][-(-m // 8)]
+    warps, rtiles, stages, gps, wm, per_sm, min_groups, *ks = _TABLES[gpu.rtx50][layer_class(n, k)][-(-m // 8)]
     cfg = MmaConfig(warps=warps, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps,
-                    wm=wm)
+                    wm=wm, ks=ks[0] if ks else 1)
     if n % cfg.rows_per_cta():
         return None
     return replace(cfg, split=k_slices(n // cfg.rows_per_cta(), groups, per_sm, min_groups, gpu.sms))
@@ -208,7 +221,7 @@ def template(rows: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
     """The C++ name (NVRTC name expression) of the kernel instance that runs `rows` batch rows: its column tiles
     are config.tiles(rows), the one place that count is worked out."""
     return (f"ternary_mma<{config.tiles(rows)}, {config.rtiles}, {config.warps}, {config.wm}, {str(config.residual).lower()}, "
-            f"{_OUT[out_dtype]}, {config.stages}, {config.gps}>")
+            f"{_OUT[out_dtype]}, {config.stages}, {config.gps}" + (f", {config.ks}>" if config.ks > 1 else ">"))
 
 
 @functools.cache
@@ -311,7 +324,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     if early is None:
         early = EARLY_LAUNCH and early_pays(ctas * splits, m, kw * 16, nvrtc.sm_count(index), rotation_rows)
     early = early and nvrtc.capability(index)[0] >= 9
-    nvrtc.launch(fn, (ctas, splits, 1), (32 * config.warps * config.wm, 1, 1),
+    nvrtc.launch(fn, (ctas, splits, 1), (config.threads(), 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
                   y.stride(0)], shared_mem=shared, early=early)
     return y
