@@ -43,8 +43,8 @@ def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0,
           gpus: tuple[mma.Gpu, ...] = (mma.H200,)) -> list[MmaConfig]:
     """The configurations timed for m rows: the defaults of the rules for `gpus` alone (`quick`), or the sweep
     the rules came from (warps and row tiles per CTA, warps along the batch and along K, K slices, stages ×
-    groups per stage); with `min_shared`, only the sweep's configurations above that many bytes of shared memory (and the
-    defaults)."""
+    groups per stage); with `min_shared`, only the sweep's configurations above that many bytes of shared
+    memory (and the defaults)."""
     defaults = [d for d in dict.fromkeys(mma.default_config(m, n, k, g) for g in gpus) if d is not None]
     if quick:
         return defaults

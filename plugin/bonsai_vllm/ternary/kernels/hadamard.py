@@ -220,11 +220,11 @@ def _launch(x, signs, b1, b2, order, dtype, out, bm, num_warps):
 
 
 # Batch rows from which rotate_dp4a's programs take two rows each. On the H200 (docs/benchmarks.md, eighteenth
-# session) the kernel alone is 0.05-0.15 µs slower so up to 24-32 rows and 0.5-0.7 µs faster above (where one row
-# per program needs more than a wave), and it runs half the programs, so the mma kernel after it can start early
-# at more row counts (mma.early_pays): served, o_proj /
-# GDN-out 1.06-1.09x faster at 24-32 rows, gate_up 1.06x at 12-16, every layer 1.01-1.03x at 32-64, within
-# 1.3 % slower at a few points of 12-24 rows. Four or eight rows per program were slower at every row count.
+# session, table 4) the kernel alone is 0.05-0.15 µs slower so up to 24-32 rows and 0.5-0.7 µs faster above
+# (where one row per program needs more than a wave), and it runs half the programs, so the mma kernel after it
+# can start early at more row counts (mma.early_pays). Served: o_proj / GDN-out 1.07-1.08x faster at 20-32 rows,
+# gate_up 1.06x at 12-16, 1.015-1.03x at 32-64, never more than 1 % slower. Four or more rows per program were
+# slower at every row count.
 ROTATE_PAIRS_FROM = 8
 
 
@@ -233,8 +233,7 @@ def rotate_rows_per_program(m: int) -> int:
     return 2 if m >= ROTATE_PAIRS_FROM else 1
 
 
-def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=None, bm: int | None = None,
-                num_warps: int = 4):
+def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=None, bm: int | None = None):
     """Rows x [K] or [M, K] -> dp4a.Dp4aActivations of H(s ⊙ x) per `block`, one launch (the decode rows);
     `bm` rows per program (a power of two; None: rotate_rows_per_program).
 
@@ -252,7 +251,7 @@ def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=
     _rotate_dp4a_kernel[(k // block, triton.cdiv(m, bm))](
         x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, m, k, x2.stride(0), 1.0 / math.sqrt(block), BM=bm, B1=b1,
         B2=b2, SPLIT_X=x.dtype != torch.bfloat16, DT=dot_dtype(), INV127=dp4a.INV127, EARLY_LAUNCH=early_launch(x2),
-        num_warps=num_warps, enable_fp_fusion=False)
+        num_warps=4, enable_fp_fusion=False)
     return act
 
 
