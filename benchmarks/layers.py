@@ -9,9 +9,10 @@ On a CUDA GPU, for the six per-rank TP=2 layers of the 27B and batch rows M, in 
   mma kernel; down_proj's 8704 takes rotated input, as vLLM hands it over (`--rotated`: every layer on rotated
   input, `dp4a.prepare` ahead, what the tables before 2026-12-04 timed), so the route is
   the dispatch's own (the streaming GEMV at 1-4 rows, the int8 tensor-core kernel to 64, the GEMM decoding the
-  codes to 512, W8 expanded per call beyond); and the same call with the CUDA C kernels launched the ordinary
+  codes to 512, W8 expanded per call beyond); the same call with the CUDA C kernels launched the ordinary
   way instead of as programmatic dependents of the prep where the rule launches them so (nvrtc.launch's
-  `early`, mma.early_pays);
+  `early`, mma.early_pays); and, where the CUDA C rotation + prep (rotate_prep.cu) served, the same call with
+  Triton's (hadamard.rotate_dp4a, BONSAI_CUDA_ROTATION=0);
 - bf16 cuBLAS (`F.linear`) on the dequantized weights;
 - the byte floor: the codes and scales read once at the measured copy bandwidth;
 - gemlite 0.6 (PyPI; Triton low-bit kernels, 2-bit codes with group-128 scales, HQQ's (W_q - zero) · scale,
@@ -48,6 +49,13 @@ def set_early_launch(on: bool) -> None:
     from bonsai_vllm.ternary.kernels import mma, stream_gemv
 
     mma.EARLY_LAUNCH = stream_gemv.EARLY_LAUNCH = on
+
+
+def set_cuda_rotation(tws: list, on: bool) -> None:
+    """Whether the layer copies rotate and prepare unrotated rows by the CUDA C kernel (rotate_prep.cu) or by
+    Triton's (hadamard.rotate_dp4a)."""
+    for tw in tws:
+        tw.cuda_rotation = on
 
 
 BLOCK = 1024  # the Hadamard block the 27B's layers rotate by
@@ -115,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             t_late = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i], rotated=rotated), copies,
                                    bk.calls_for(30))
             set_early_launch(True)
+            t_triton = float("nan")  # the same call with the Triton rotation + prep where the CUDA C one served
+            if route.path in ("stream", "mma", "dp4a") and tws[0].cuda_rotation and not rotated:
+                set_cuda_rotation(tws, False)
+                t_triton = bk.time_graph(lambda i: linear.ternary_linear(x, tws[i]), copies, bk.calls_for(30))
+                set_cuda_rotation(tws, True)
             t_bf16 = bk.time_graph(lambda i: F.linear(x, dense[i]), len(dense), bk.calls_for(30))
             t_gl = err_gl = float("nan")
             if gl is not None:
@@ -125,18 +138,19 @@ def main(argv: list[str] | None = None) -> int:
                     failures.append(f"{name} M={m} gemlite: {type(e).__name__}: {str(e)[:200]}")
             label = f"int8 GEMM, W8 {route.w8}" if route.path == "int8" else str(route)
             row = dict(layer=name, K=k, N=n, M=m, x="rotated" if rotated else "unrotated", route=label, ours_us=t_ours,
-                       late_us=t_late, err=err, bf16_us=t_bf16, floor_us=floor, gemlite_us=t_gl, gemlite_err=err_gl)
+                       late_us=t_late, triton_rotation_us=t_triton, err=err, bf16_us=t_bf16, floor_us=floor, gemlite_us=t_gl, gemlite_err=err_gl)
             rows.append(row)
             bk.say(f"  {name:8s} M={m:4d} ours {t_ours:8.2f} µs ({route.path}, err {err:.1e}; ordinary launch "
-                   f"{t_late:8.2f})  bf16 {t_bf16:8.2f}  "
+                   f"{t_late:8.2f}; Triton rotation {t_triton:8.2f})  bf16 {t_bf16:8.2f}  "
                    f"floor {floor:6.2f}  gemlite {t_gl:8.2f} (err {err_gl:.1e})")
     x_kind = "rotated" if args.rotated else "unrotated where K is whole 1024-blocks (the rotation + prep kernel ahead)"
     lines = [f"anchor: {anchor}; copy bandwidth {bw / 1e12:.2f} TB/s; x {x_kind}", "",
-             "| layer | M | route | ours µs | error | ordinary launch µs | bf16 µs | × bf16 | floor µs | % of copy bw | "
-             "gemlite µs | gemlite error | × gemlite |", "|" + "---|" * 13]
+             "| layer | M | route | ours µs | error | ordinary launch µs | Triton rotation µs | bf16 µs | × bf16 | "
+             "floor µs | % of copy bw | gemlite µs | gemlite error | × gemlite |", "|" + "---|" * 14]
     for r in rows:
         lines.append(f"| {r['layer']} | {r['M']} | {r['route']} | {r['ours_us']:.2f} | "
-                     f"{r['err']:.1e} | {r['late_us']:.2f} | {r['bf16_us']:.2f} | {r['bf16_us'] / r['ours_us']:.2f} | "
+                     f"{r['err']:.1e} | {r['late_us']:.2f} | {r['triton_rotation_us']:.2f} | {r['bf16_us']:.2f} | "
+                     f"{r['bf16_us'] / r['ours_us']:.2f} | "
                      f"{r['floor_us']:.2f} | {100 * r['floor_us'] / r['ours_us']:.0f} | {r['gemlite_us']:.2f} | "
                      f"{r['gemlite_err']:.1e} | {r['gemlite_us'] / r['ours_us']:.2f} |")
     return bk.report(out, "layers", {"rows": rows, "anchor": anchor, "copy_bandwidth": bw}, lines, failures)

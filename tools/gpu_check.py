@@ -91,6 +91,7 @@ class Sizes:
     allreduce_rows: list = field(default_factory=lambda: [1, 2, 24, 48, 127, 128, 129, 512, 2048])
     hadamard_widths: list = field(default_factory=lambda: [5120, 3072, 8192])
     hadamard_rows: list = field(default_factory=lambda: [1, 48, 2048])
+    rotate_prep_rows: list = field(default_factory=lambda: [1, 2, 3, 8, 17, 33, 48, 64])
     vocab: int = 248320
     hot_vocab: int = 32000
     embed_batches: list = field(default_factory=lambda: [1, 48, 2048])
@@ -410,6 +411,35 @@ class Checker:
                 self.add("hadamard", f"rotate+quantize {m}x{k}", "fused rotate + int8",
                          math.inf if d.max() > 1 else (d > 0).float().mean().item(), 1e-3,
                          f"scales rel {rel_err(ts, ts_ref):.1e}")
+        # the CUDA C rotation + prep of decode rows (rotate_prep.cu): bit for bit its reference's bytes, sums
+        # and scales, in every output buffer (NaN / -7 poisoned first), at the rows and rows per CTA it serves
+        from bonsai_vllm.ternary.kernels import dp4a, rotate_prep
+
+        if not rotate_prep.applies(self.dev, 1024):
+            print("  rotate_prep: not on this device (CUDA, sm_90 and later)", flush=True)
+            return
+        for k in self.sz.hadamard_widths:
+            signs = torch.randint(0, 2, (k,), generator=self.gen, device=self.dev).float() * 2 - 1
+            for m in self.sz.rotate_prep_rows:
+                for dtype in (torch.bfloat16, torch.float32):
+                    x = self.randn(m, k, dtype=dtype)
+                    want = rotate_prep.rotate_prep_reference(x, signs, 1024)
+                    for rows in rotate_prep.ROWS_PER_CTA:
+                        self.guard("hadamard", f"rotate_prep {m}x{k} {dtype} R={rows}", self._rotate_prep_case, x,
+                                   signs, want, rows, rotate_prep, dp4a)
+
+    def _rotate_prep_case(self, x, signs, want, rows, rotate_prep, dp4a) -> None:
+        m, k = x.shape
+        out = dp4a.empty_activations(k, x.device, m)
+        for t in (out.xa, out.xr, out.gx, out.gr):
+            t.fill_(-7)
+        out.s.fill_(float("nan"))
+        got = rotate_prep.rotate_prep(x, signs, 1024, out=out, rows_per_cta=rows)
+        fields = ("xa", "xr", "gx", "gr", "s")
+        differ = sum(int((getattr(got, f) != getattr(want, f)).sum()) for f in fields)
+        total = sum(getattr(want, f).numel() for f in fields)
+        self.add("hadamard", f"rotate_prep {m}x{k} {str(x.dtype).removeprefix('torch.')} R={rows}",
+                 "CUDA C rotation + prep", differ / total, 0.0, "fraction of elements not bit-equal to the reference")
 
     # ------------------------------------------------------------------------------------- embeddings
     def embeddings(self) -> None:

@@ -177,6 +177,14 @@ SETTINGS: tuple[Setting, ...] = (
             "sm90's at 8-48 rows, measured that way; issue 19). Only the speed changes: the error bounds are the "
             "same.",
             "ternary/kernels/linear.py", choices=("auto", "sm90", "sm120")),
+    Setting("BONSAI_CUDA_ROTATION", "bool", True,
+            "Decode rows of 1 to 64 on CUDA (sm_90 and later) that reach a layer unrotated: the Hadamard rotation "
+            "and the int8 prep of the dp4a, streaming and mma kernels in one CUDA C kernel, butterflies in registers "
+            "and warp shuffles (ternary/kernels/rotate_prep.cu, compiled by NVRTC at load; on the H200 2.2 µs "
+            "against 3.0-3.4 alone), instead of the Triton kernel's tensor-core products (hadamard.rotate_dp4a). "
+            "The same bytes up to the rotation's float32 rounding; make gpu-check passed it bit for bit against its "
+            "reference and at every layer (issue 19).",
+            "ternary/kernels/linear.py"),
     Setting("BONSAI_CODES_GEMM", "bool", True,
             "Prefill chunks of 65 to 512 rows with the int8 weights W8 not kept (12 GB cards) through the int8 "
             "GEMM that decodes the 2-bit codes into W8 inside its K loop (int8mm.codes_gemm) instead of "

@@ -63,6 +63,7 @@ def test_prepare_matches_its_reference_bit_for_bit(k, m):
     assert torch.allclose(got.s.cpu(), want.s.cpu(), rtol=1e-6, atol=0)
     # a row alone gives the same as among others (no state across rows)
     assert torch.equal(dp4a.prepare(x[m - 1]).xa.cpu()[0], got.xa.cpu()[m - 1])
+    assert (got.prep, got.prep_rows) == (dp4a.PREP_DP4A, 1)  # what the mma kernel's launch rule reads
 
 
 @pytest.mark.parametrize("bm,m", [(2, 3), (4, 5)])
@@ -75,12 +76,15 @@ def test_rotate_dp4a_rows_per_program_give_the_same_bits(bm, m):
     x = rows_of(m, k, seed=bm)
     signs = (torch.randint(0, 2, (k,), generator=torch.Generator().manual_seed(2)).float() * 2 - 1).to(DEV)
     want = rotate_dp4a(x, signs, 1024, bm=1)
+    assert (want.prep, want.prep_rows) == (dp4a.PREP_ROTATION, 1)
     out = dp4a.empty_activations(k, x.device, m + 1)
     for t in (out.xa, out.xr, out.gx, out.gr):
         t.fill_(-7)
     out.s.fill_(float("nan"))
     got = rotate_dp4a(x, signs, 1024, bm=bm, out=dp4a.Dp4aActivations(*(t[:m] for t in (out.xa, out.xr, out.gx,
                                                                                          out.gr, out.s))))
+    # the buffers it was handed, marked with the kernel and rows per program that wrote them
+    assert (got.prep, got.prep_rows) == (dp4a.PREP_ROTATION, bm) and got.xa.data_ptr() == out.xa.data_ptr()
     for name in ("xa", "xr", "gx", "gr", "s"):
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), name
         assert torch.all(getattr(out, name)[m].cpu().float().isnan() | (getattr(out, name)[m].cpu() == -7)), name

@@ -153,48 +153,54 @@ def test_gpu_rule_override(kern, monkeypatch):
     assert mma.Gpu.of("cuda:0").rtx50 and not mma.Gpu.of("cuda:0", "sm90").rtx50
 
 
-# Which launch was faster on the H200, the served call forced both ways and alternated (four times each, two with
-# two rows per rotation program), behind each prep (docs/benchmarks.md, eighteenth session): one letter per row
-# count of EARLY_ROWS, "e" early (as a programmatic dependent of the prep) by more than 1 %, "o" ordinary by more
-# than 1 %, "l" level within 1 %, "-" not measured or not the mma kernel's route. Keyed by (layer, rows per
-# program of the rotation + prep kernel ahead, 0 for dp4a.prepare).
+# Which launch was faster on the H200, the served call forced both ways and alternated, behind each prep
+# (docs/benchmarks.md: the eighteenth session for dp4a.prepare and the Triton rotation, four times each, two with
+# two rows per rotation program; the nineteenth for the CUDA C rotation, twice each): one letter per row count of
+# EARLY_ROWS, "e" early (as a programmatic dependent of the prep) by more than 1 %, "o" ordinary by more than 1 %,
+# "l" level within 1 %, "-" not measured or not the mma kernel's route. Keyed by (layer, the prep, its rows per
+# program).
 EARLY_ROWS = (3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 56, 64)
+P, T, C = "prepare", "rotation", "cuda_rotation"
 EARLY_MEASURED = {
-    ("gate_up", 0): "eeeeeeeeoeeee",
-    ("gate_up", 1): "eeeeoooooleee",
-    ("gate_up", 2): "---eee-oo-e-e",
-    ("down", 0): "eeeeelooeoeee",
-    ("qkv", 0): "eeeeeeloooooo",
-    ("qkv", 1): "eeeeooooooooo",
-    ("qkv", 2): "---eoo-oo-o-o",
-    ("o_proj", 0): "e-eeeeeeeeeoo",
-    ("o_proj", 1): "e-eeeeooooooo",
-    ("o_proj", 2): "---eee-ee-o-o",
-    ("gdn_in", 0): "eeeellooooooo",
-    ("gdn_in", 1): "eeeeooooooooo",
-    ("gdn_in", 2): "---eoo-oo-o-o",
+    ("gate_up", P, 1): "eeeeeeeeoeeee",
+    ("gate_up", T, 1): "eeeeoooooleee",
+    ("gate_up", T, 2): "---eee-oo-e-e",
+    ("gate_up", C, 1): "-e--eeeeeeeee",
+    ("down", P, 1): "eeeeelooeoeee",
+    ("qkv", P, 1): "eeeeeeloooooo",
+    ("qkv", T, 1): "eeeeooooooooo",
+    ("qkv", T, 2): "---eoo-oo-o-o",
+    ("qkv", C, 1): "-e--eeeeeoooo",
+    ("o_proj", P, 1): "e-eeeeeeeeeoo",
+    ("o_proj", T, 1): "e-eeeeooooooo",
+    ("o_proj", T, 2): "---eee-ee-o-o",
+    ("o_proj", C, 1): "----eeeeeeeeo",
+    ("gdn_in", P, 1): "eeeellooooooo",
+    ("gdn_in", T, 1): "eeeeooooooooo",
+    ("gdn_in", T, 2): "---eoo-oo-o-o",
+    ("gdn_in", C, 1): "-e--eeeeeoooo",
 }
 # Grids measured with an earlier entry of the table: gate_up's 41-48 rows ran 128-row CTAs before warps along K.
-EARLY_GRIDS = {("gate_up", 48): 136}
+EARLY_GRIDS = {("gate_up", T, 48): 136, ("gate_up", P, 48): 136}
 # Where the rule and the measurement part: no grid measure separates these from their neighbours (1.5-6 %).
-EARLY_MISSES = {("gate_up", 0, 32), ("gate_up", 0, 48), ("gate_up", 1, 48), ("gate_up", 2, 48),
-                ("gate_up", 2, 64), ("down", 0, 20), ("down", 0, 24)}
+EARLY_MISSES = {("gate_up", P, 1, 32), ("gate_up", P, 1, 48), ("gate_up", T, 1, 48), ("gate_up", T, 2, 48),
+                ("gate_up", T, 2, 64), ("down", P, 1, 20), ("down", P, 1, 24)}
 
 
 def test_early_launch_rule_matches_the_h200_measurement(kern):
     mma = kern.mma
     gpu = mma.Gpu(90, 132)
     misses = set()
-    for (name, rotation_rows), measured in EARLY_MEASURED.items():
+    for (name, prep, rows), measured in EARLY_MEASURED.items():
         k, n = LAYERS[name]
         assert len(measured) == len(EARLY_ROWS), name
         for m, faster in zip(EARLY_ROWS, measured):
             if faster in "l-":
                 continue
             c = mma.default_config(m, n, k, gpu)
-            grid = EARLY_GRIDS.get((name, m), n // c.rows_per_cta() * mma._slices(k // 128, c.split)[1])
-            if mma.early_pays(grid, m, k, gpu.sms, rotation_rows) != (faster == "e"):
-                misses.add((name, rotation_rows, m))
+            grid = EARLY_GRIDS.get((name, prep, m), n // c.rows_per_cta() * mma._slices(k // 128, c.split)[1])
+            if mma.early_pays(grid, m, k, gpu.sms, prep, rows) != (faster == "e"):
+                misses.add((name, prep, rows, m))
     assert misses == EARLY_MISSES
 
 

@@ -29,25 +29,31 @@ interpreter has no inline PTX), so tests/core/test_dp4a.py runs the same kernel 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from bonsai_vllm.triton_runtime import early_launch, interpreting, require, tl, triton
 
 GROUP = 128  # scale group along K (the checkpoint's)
+PREP_DP4A, PREP_ROTATION, PREP_CUDA_ROTATION = "prepare", "rotation", "cuda_rotation"  # Dp4aActivations.prep
 INV127 = 1.0 / 127  # int8 scale = max |x| · INV127, in float32 on both sides
 
 
 @dataclass(frozen=True)
 class Dp4aActivations:
-    """M prepared activation rows of K inputs each."""
+    """M prepared activation rows of K inputs each, and which kernel prepared them."""
 
     xa: torch.Tensor  # int32 [M, 4, K/16]: row m, lane j, word w = bytes x8[m, 16w + 4b + j], b = 0..3
     xr: torch.Tensor  # int32 [M, 4, K/16]: the same for r8
     gx: torch.Tensor  # int32 [M, K/128]: Σ x8 per group
     gr: torch.Tensor  # int32 [M, K/128]: Σ r8 per group
     s: torch.Tensor  # float32 [M, 2, K/128]: s1, s2 per group
+    # The kernel that wrote them, which the mma kernel's launch rule needs (mma.early_pays: it may start while
+    # that kernel runs): PREP_DP4A (`prepare`), PREP_ROTATION (hadamard.rotate_dp4a) or PREP_CUDA_ROTATION
+    # (rotate_prep.rotate_prep), with `prep_rows` rows per program.
+    prep: str = "prepare"
+    prep_rows: int = 1
 
     @property
     def rows(self) -> int:
@@ -361,7 +367,13 @@ def prepare(x: torch.Tensor, out: Dp4aActivations | None = None) -> Dp4aActivati
                                                       GB=gb, INV127=INV127, EARLY_LAUNCH=early_launch(x2), num_warps=4,
                                                       # x − x8·s1 rounded twice, as torch does: no FMA
                                                       enable_fp_fusion=False)
-    return out
+    return made_by(out, PREP_DP4A, 1)
+
+
+def made_by(act: Dp4aActivations, prep: str, rows: int) -> Dp4aActivations:
+    """`act` marked as written by the kernel `prep` with `rows` rows per program (a caller's `out` buffers may
+    last have been written by another)."""
+    return act if (act.prep, act.prep_rows) == (prep, rows) else replace(act, prep=prep, prep_rows=rows)
 
 
 class Dp4aWorkspace:

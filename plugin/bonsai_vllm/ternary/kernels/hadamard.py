@@ -252,7 +252,7 @@ def rotate_dp4a(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out=
         x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, m, k, x2.stride(0), 1.0 / math.sqrt(block), BM=bm, B1=b1,
         B2=b2, SPLIT_X=x.dtype != torch.bfloat16, DT=dot_dtype(), INV127=dp4a.INV127, EARLY_LAUNCH=early_launch(x2),
         num_warps=4, enable_fp_fusion=False)
-    return act
+    return dp4a.made_by(act, dp4a.PREP_ROTATION, bm)
 
 
 # Where quantize_per_token reads each row whole into one program's registers instead of walking its tiles twice

@@ -98,6 +98,9 @@ class TernaryWeights:
     # W8 not kept: the int8 route's rows through int8mm.codes_gemm (W8 made in its K loop) rather than
     # expand_int8 + GEMM (prepare's switch; None: BONSAI_CODES_GEMM). No effect when W8 is kept.
     codes: bool = False
+    # unrotated decode rows (the dp4a, stream and mma routes) rotated and prepared by the CUDA C kernel
+    # (rotate_prep.cu) rather than Triton's hadamard.rotate_dp4a (prepare's switch; CUDA, sm_90 and later)
+    cuda_rotation: bool = False
 
     @property
     def out_features(self) -> int:
@@ -114,7 +117,8 @@ class TernaryWeights:
 
 def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None = None, *,
             block: int = BLOCK, expand_int8: bool = False, dp4a: bool | None = None,
-            mma: bool | None = None, stream: bool | None = None, codes: bool | None = None) -> TernaryWeights:
+            mma: bool | None = None, stream: bool | None = None, codes: bool | None = None,
+            cuda_rotation: bool | None = None) -> TernaryWeights:
     """Build the layer state once at load time (same device as `packed`).
 
     `expand_int8=True` keeps W8 = code · q (1 byte per weight) for the prefill matmul; leave it False where
@@ -124,7 +128,8 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     rows through the int8 tensor-core kernel on CUDA (None: BONSAI_MMA_GEMM); its instances are compiled here.
     `stream`: 1 to STREAM_MAX_M rows through the streaming CUDA C GEMV (None: BONSAI_STREAM_GEMV); compiled here.
     `codes`: without W8, the int8 route's rows through the GEMM that decodes the codes itself instead of
-    expanding W8 per call (None: BONSAI_CODES_GEMM).
+    expanding W8 per call (None: BONSAI_CODES_GEMM). `cuda_rotation`: unrotated decode rows rotated and
+    prepared by the CUDA C kernel where it applies (None: BONSAI_CUDA_ROTATION); compiled here.
     """
     n, kw = packed.shape
     k = kw * 16
@@ -176,6 +181,14 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     if codes is None:
         codes = settings.get("BONSAI_CODES_GEMM")
     tw.codes = bool(codes)
+    if cuda_rotation is None:
+        cuda_rotation = settings.get("BONSAI_CUDA_ROTATION")
+    if cuda_rotation and tw.signs is not None and k % block == 0 and (tw.dp4a or tw.mma or tw.stream):
+        from bonsai_vllm.ternary.kernels import rotate_prep
+
+        if rotate_prep.applies(packed.device, block):
+            tw.cuda_rotation = True
+            rotate_prep.kernel(block, rotate_prep.ROWS_DEFAULT, torch.bfloat16, packed.device)  # not in a capture
     return tw
 
 
@@ -267,11 +280,18 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         return _reference(x, tw, rotated, bias)
     if r.path in ("dp4a", "mma", "stream"):
         from bonsai_vllm.ternary.kernels import dp4a
-        from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a, rotate_rows_per_program
+        from bonsai_vllm.ternary.kernels.hadamard import rotate_dp4a
 
         # rotation and prep in one kernel (or the prep alone when x comes rotated); the kernel stores y in
         # x's dtype itself unless a bias is added after it in float32
-        act = dp4a.prepare(x2) if rotated else rotate_dp4a(x2, tw.signs, tw.block)
+        if rotated:
+            act = dp4a.prepare(x2)
+        elif tw.cuda_rotation:
+            from bonsai_vllm.ternary.kernels.rotate_prep import rotate_prep
+
+            act = rotate_prep(x2, tw.signs, tw.block)
+        else:
+            act = rotate_dp4a(x2, tw.signs, tw.block)
         y = torch.empty(m, tw.out_features, dtype=x.dtype if bias is None else torch.float32, device=x.device)
         if r.path == "stream":
             from bonsai_vllm.ternary.kernels import stream_gemv
@@ -282,8 +302,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         else:
             from bonsai_vllm.ternary.kernels import mma
 
-            mma.gemm(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y,
-                     rotation_rows=0 if rotated else rotate_rows_per_program(m))  # [M, N]
+            mma.gemm(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
         if bias is not None:
             y = (y + bias.float()).to(x.dtype)
     elif r.path == "gemv":

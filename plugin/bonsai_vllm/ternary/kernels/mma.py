@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from bonsai_vllm import nvrtc
-from bonsai_vllm.ternary.kernels.dp4a import GROUP, Dp4aActivations, unplanar
+from bonsai_vllm.ternary.kernels.dp4a import (GROUP, PREP_CUDA_ROTATION, PREP_DP4A, PREP_ROTATION,
+                                              Dp4aActivations, unplanar)
 
 SOURCE = Path(__file__).with_name("mma.cu")
 MAX_ROWS = 64  # batch rows one launch takes (8 per mma column tile, T <= 8)
@@ -264,38 +265,42 @@ def reserve(device: torch.device | str, n: int, k: int, config: MmaConfig, rows:
     shared_workspace(device).get(splits * rows * n if splits > 1 else 1, n // config.rows_per_cta())
 
 
-def early_pays(grid: int, rows: int, k: int, sms: int, rotation_rows: int = 0) -> bool:
+def early_pays(grid: int, rows: int, k: int, sms: int, prep: str = PREP_DP4A, prep_rows: int = 1) -> bool:
     """Whether a grid of `grid` CTAs for `rows` batch rows of K = `k` inputs gains from starting while the prep
-    ahead of it runs. `rotation_rows`: the rows each program of the rotation + prep kernel ahead takes
-    (hadamard.rotate_rows_per_program), 0 where dp4a.prepare ran instead. Both preps run one program per 1024
-    inputs of each row or row group, P in all, and release the kernel once all of them have started; its CTAs
-    then take what the prep leaves free on the SMs, and below one CTA per SM they can double up on some SMs while
-    others idle. Fitted on the H200, the served call forced both ways and alternated at 3-64 rows
-    (docs/benchmarks.md, eighteenth session; tests/core/test_mma.py keeps the points):
+    ahead of it runs: `prep` the kernel that prepares its activations (Dp4aActivations.prep), `prep_rows` the rows
+    each of its programs takes. Every prep runs one program per 1024 inputs of each row or row group, P in all,
+    and releases the kernel once all of them have started; its CTAs then take what the prep leaves free on the
+    SMs, and below one CTA per SM they can double up on some SMs while others idle. Fitted on the H200, the served
+    call forced both ways and alternated at 3-64 rows (docs/benchmarks.md, eighteenth and nineteenth sessions;
+    tests/core/test_mma.py keeps the points):
     - behind dp4a.prepare (x rotated, as vLLM hands down_proj its input): early from two CTAs per SM (1-6 %
       faster; 4-6 % slower at gate_up's 32 rows and down_proj's 20-24), or below that where the grid fits beside
       the prep's rows (o_proj / GDN-out's 80 CTAs 3-7 % faster to 48 rows, qkv's 112 to 20) unless the prep's
       programs run more than two per SM (down_proj's 80 CTAs at 40 rows: 1.34x slower early);
-    - behind the rotation + prep kernel (x unrotated, as served on the other five layers), whose programs run
-      longer: where the grid fits beside them (o_proj / GDN-out's 80 CTAs: 11-17 % faster), or from two CTAs per
-      SM while they are few (5-11 %) or many (gate_up from 56 rows, one row per program: 1.5 %). In between,
-      early lost up to 1.52x (gate_up at 16 rows, one row per program: 40.7 µs against 26.8), and from one CTA
-      per SM down up to 1.8x."""
-    prep = -(-rows // max(rotation_rows, 1)) * -(-k // 1024)  # the prep's programs
-    if rotation_rows:
-        return grid + prep <= sms or (grid >= 2 * sms and (3 * prep <= sms or prep >= 2 * sms))
-    return grid >= 2 * sms or (grid + rows <= sms and prep <= 2 * sms)
+    - behind the CUDA C rotation + prep (rotate_prep.cu, one row per CTA: served on the other five layers), whose
+      CTAs are done in about 2 µs: early from two CTAs per SM (gate_up, 1-3 % faster at 4-64 rows) or while P is
+      at most 1.3 CTAs per SM (3-6 % faster: qkv / GDN-in to 32 rows, o_proj / GDN-out to 56); above that early
+      lost 1.2-1.4x (qkv at 48 rows: 35.6 µs against 25.6);
+    - behind the Triton rotation + prep (hadamard.rotate_dp4a, where the CUDA C one is switched off), whose
+      programs run longer: where the grid fits beside them (o_proj / GDN-out's 80 CTAs: 11-17 % faster), or from
+      two CTAs per SM while they are few (5-11 %) or many (gate_up from 56 rows, one row per program: 1.5 %). In
+      between, early lost up to 1.52x (gate_up at 16 rows, one row per program: 40.7 µs against 26.8), and from
+      one CTA per SM down up to 1.8x."""
+    programs = -(-rows // max(prep_rows, 1)) * -(-k // 1024)  # P: the prep's programs
+    if prep == PREP_CUDA_ROTATION:
+        return grid >= 2 * sms or 10 * programs <= 13 * sms
+    if prep == PREP_ROTATION:
+        return grid + programs <= sms or (grid >= 2 * sms and (3 * programs <= sms or programs >= 2 * sms))
+    return grid >= 2 * sms or (grid + rows <= sms and programs <= 2 * sms)
 
 
 def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, config: MmaConfig, workspace,
-         out: torch.Tensor | None = None, early: bool | None = None, shared_mem: int | None = None,
-         rotation_rows: int = 0) -> torch.Tensor:
+         out: torch.Tensor | None = None, early: bool | None = None, shared_mem: int | None = None) -> torch.Tensor:
     """y [M, N] (float32 unless `out` says otherwise) = the ternary layer (packed int32 [N, K/16], scales fp16
     [N, K/128]) applied to the M rows of `act` (1 <= M <= 64); `out` may be any [M, N] view with unit stride
     along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls). `early`:
     launched as a programmatic dependent of the kernel ahead of it (nvrtc.launch; sm_90 and later; None:
-    EARLY_LAUNCH where `early_pays` says so; `rotation_rows`: `act` comes from hadamard.rotate_dp4a with that
-    many rows per program, 0: from dp4a.prepare). `shared_mem`: launch with that many bytes of
+    EARLY_LAUNCH where `early_pays` says so of the kernel that prepared `act`). `shared_mem`: launch with that many bytes of
     shared memory instead of the stages' own (at least those; benchmarks/mma_gemm.py pads CTAs so that the H200
     holds as many per SM as the RTX card would)."""
     n, kw = packed.shape
@@ -322,7 +327,7 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     # weights, then waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
     index = packed.device.index or 0
     if early is None:
-        early = EARLY_LAUNCH and early_pays(ctas * splits, m, kw * 16, nvrtc.sm_count(index), rotation_rows)
+        early = EARLY_LAUNCH and early_pays(ctas * splits, m, kw * 16, nvrtc.sm_count(index), act.prep, act.prep_rows)
     early = early and nvrtc.capability(index)[0] >= 9
     nvrtc.launch(fn, (ctas, splits, 1), (config.threads(), 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,

@@ -1,0 +1,226 @@
+// The signed block Hadamard rotation of decode rows and the dp4a prep of the result, one CUDA C kernel (issue 19):
+// Dp4aActivations of H(s ⊙ x) per block, what hadamard.rotate_dp4a gives through Triton, for the kernels after it
+// (stream_gemv.cu, mma.cu, dp4a.py's GEMV).
+//
+// Compiled at run time by NVRTC (rotate_prep.py), like mma.cu. Why not Triton: there the rotation is two
+// tensor-core products per block with the layout conversions between them and the prep's reductions going
+// through shared memory behind barriers; on the H200 that kernel took 3.0 µs a call where dp4a.prepare (no
+// rotation) takes 1.9, on five of the six layers at every decode step. Here the butterflies run in registers and
+// warp shuffles.
+//
+// Layout. A CTA takes R rows of one block of BLOCK inputs (blockIdx.x the block, blockIdx.y the group of rows),
+// TPB = BLOCK / 8 threads per row: thread t holds inputs 8t .. 8t + 7 of the block. Sylvester's H_BLOCK is one
+// butterfly per index bit, in any order (H_2 ⊗ ... ⊗ H_2), and leaves its output in natural order: bits 0-2 are
+// butterflies inside the thread, bits 3-7 between lanes (shfl.xor), bits 8 and up between the row's warps through
+// shared memory. Thread t then holds rotated inputs 8t .. 8t + 7, times 1/sqrt(BLOCK).
+//
+// The prep (dp4a.prepare_reference): per group of 128 inputs x ≈ s1·x8 + s2·r8, x8 the int8 of x, r8 the int8 of
+// what x8 missed. A group is 16 threads (half a warp): its max |x| and its sums reduce over shfl.xor 1, 2, 4, 8.
+// Each float operation is rounded on its own (PTX .rn, never fused into an FMA) in the reference's order, so the
+// bytes equal the reference's of the same rotated values.
+//
+// Planar bytes: word w holds inputs 16w .. 16w + 15 as four lanes, byte b of lane j = input 16w + 4b + j. A word is
+// two threads (h = t % 2 holds its bytes b = 2h, 2h + 1 of every lane); the pair swaps halves in one shuffle and
+// each stores two whole lanes.
+
+#include "common.cuh"  // u32, u16, half_to_float
+
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float d;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+__device__ __forceinline__ float add_rn(float a, float b) {
+  float d;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+__device__ __forceinline__ float sub_rn(float a, float b) {
+  float d;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+__device__ __forceinline__ float div_rn(float a, float b) {
+  float d;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// dp4a.py's _round_int8: half away from zero, clamped to [-127, 127].
+__device__ __forceinline__ float round_int8(float v) {
+  const float r = v < 0.f ? -floorf(add_rn(-v, 0.5f)) : floorf(add_rn(v, 0.5f));
+  return fminf(fmaxf(r, -127.f), 127.f);
+}
+
+// Eight consecutive inputs of x as float32: IN 0 float32, 1 bfloat16, 2 float16 (16-byte aligned).
+template <int IN>
+__device__ __forceinline__ void load8(const void* x, long i, float (&v)[8]) {
+  if (IN == 0) {
+    const float4 a = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(x) + i)[0];
+    const float4 b = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(x) + i)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    const uint4 p = *reinterpret_cast<const uint4*>(reinterpret_cast<const u16*>(x) + i);
+    const u32 w[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (IN == 1) {  // bf16: the high half of a float32
+        v[2 * k] = __int_as_float(w[k] << 16);
+        v[2 * k + 1] = __int_as_float(w[k] & 0xffff0000u);
+      } else {
+        v[2 * k] = half_to_float((u16)(w[k] & 0xffffu));
+        v[2 * k + 1] = half_to_float((u16)(w[k] >> 16));
+      }
+    }
+  }
+}
+
+// The max over a group of 128 inputs: 16 threads, eight values each.
+__device__ __forceinline__ float group_absmax(const float (&v)[8]) {
+  float a = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
+#pragma unroll
+  for (int d = 1; d < 16; d *= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, d));
+  return a;
+}
+
+__device__ __forceinline__ int group_sum(int s) {
+#pragma unroll
+  for (int d = 1; d < 16; d *= 2) s += __shfl_xor_sync(0xffffffffu, s, d);
+  return s;
+}
+
+// Lanes 2h and 2h + 1 of this thread's word (h = t % 2), from its own bytes (q: its eight int8 values) and its
+// pair thread's: returned as {lane 2h, lane 2h + 1}.
+__device__ __forceinline__ uint2 planar_lanes(const int (&q)[8], int h) {
+  u32 half[4];  // lane j: bytes 2h, 2h + 1 (inputs 8h + j and 8h + 4 + j of the word) as 16 bits
+#pragma unroll
+  for (int j = 0; j < 4; ++j) half[j] = (u32)(q[j] & 0xff) | ((u32)(q[4 + j] & 0xff) << 8);
+  const u32 send = h ? (half[0] | half[1] << 16) : (half[2] | half[3] << 16);  // the pair's two lanes
+  const u32 got = __shfl_xor_sync(0xffffffffu, send, 1);
+  const u32 m0 = h ? half[2] : half[0], m1 = h ? half[3] : half[1];
+  // thread h = 0 holds the low 16 bits of each lane, h = 1 the high
+  return h ? make_uint2((got & 0xffffu) | (m0 << 16), (got >> 16) | (m1 << 16))
+           : make_uint2(m0 | (got << 16), m1 | (got & 0xffff0000u));
+}
+
+template <int BLOCK, int R, int IN>
+__global__ void __launch_bounds__(R * BLOCK / 8)
+rotate_prep(const void* __restrict__ x,       // [M, stride_x] of IN's type, rows of K inputs
+            const float* __restrict__ signs,  // [K] ±1
+            u32* __restrict__ xa,             // [M, 4, K/16] planar int8 of x
+            u32* __restrict__ xr,             // [M, 4, K/16] planar int8 of the residual
+            int* __restrict__ gx,             // [M, G] Σ x8 per group
+            int* __restrict__ gr,             // [M, G] Σ r8 per group
+            float* __restrict__ sc,           // [M, 2, G] s1, s2 per group
+            int M, int K, int stride_x,
+            int norm_bits,  // the float32 bits of 1 / sqrt(BLOCK) (a launch argument is an int or a pointer)
+            int release) {
+  // The kernel after this one (launched as its programmatic dependent) may start now (`release`; else as this
+  // grid's CTAs exit): it issues its weights' loads, then waits for this grid's end before it reads the
+  // activations.
+#if __CUDA_ARCH__ >= 900
+  if (release) asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  constexpr int TPB = BLOCK / 8;  // threads per row
+  static_assert(TPB % 32 == 0 && (TPB & (TPB - 1)) == 0, "a row's block is whole warps, a power of two");
+  constexpr float INV127 = (float)(1.0 / 127);  // dp4a.INV127 as float32
+  const int r = threadIdx.x / TPB, t = threadIdx.x % TPB, lane = threadIdx.x & 31;
+  const int m = blockIdx.y * R + r;
+  const bool live = m < M;  // rows past M compute on zeros (they take part in the shuffles and barriers)
+  const int col = blockIdx.x * BLOCK + 8 * t;
+
+  float v[8];
+  if (live) {
+    load8<IN>(x, (long)m * stride_x + col, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.f;
+  }
+  {
+    const float4 a = reinterpret_cast<const float4*>(signs + col)[0];
+    const float4 b = reinterpret_cast<const float4*>(signs + col)[1];
+    const float s[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], s[i]);  // exact
+  }
+  // index bits 0-2: inside the thread
+#pragma unroll
+  for (int d = 1; d < 8; d *= 2)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (!(i & d)) {
+        const float a = v[i], b = v[i + d];
+        v[i] = add_rn(a, b);
+        v[i + d] = sub_rn(a, b);
+      }
+  // bits 3-7: between lanes (the upper lane of a pair keeps the difference)
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const bool upper = lane & d;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[i], d);
+      v[i] = upper ? sub_rn(o, v[i]) : add_rn(v[i], o);
+    }
+  }
+  // bits 8 and up: between the row's warps
+  if (TPB > 32) {
+    __shared__ __align__(16) float buf[R * BLOCK];
+    float4* mine = reinterpret_cast<float4*>(buf + r * BLOCK + 8 * t);
+#pragma unroll
+    for (int d = 32; d < TPB; d *= 2) {
+      mine[0] = make_float4(v[0], v[1], v[2], v[3]);
+      mine[1] = make_float4(v[4], v[5], v[6], v[7]);
+      __syncthreads();
+      const float4* theirs = reinterpret_cast<const float4*>(buf + r * BLOCK + 8 * (t ^ d));
+      const float4 a = theirs[0], b = theirs[1];
+      const float o[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      __syncthreads();  // everyone has read before the next bit's stores
+      const bool upper = t & d;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = upper ? sub_rn(o[i], v[i]) : add_rn(v[i], o[i]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], __int_as_float(norm_bits));
+
+  // the prep, per group of 128 (16 threads)
+  const float s1 = mul_rn(fmaxf(group_absmax(v), 1e-30f), INV127), inv1 = div_rn(1.f, s1);
+  float res[8];
+  int q1[8], q2[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float x8 = round_int8(mul_rn(v[i], inv1));
+    res[i] = sub_rn(v[i], mul_rn(x8, s1));
+    q1[i] = (int)x8;
+  }
+  const float s2 = mul_rn(fmaxf(group_absmax(res), 1e-30f), INV127), inv2 = div_rn(1.f, s2);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) q2[i] = (int)round_int8(mul_rn(res[i], inv2));
+  int sum1 = 0, sum2 = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sum1 += q1[i], sum2 += q2[i];
+  sum1 = group_sum(sum1);
+  sum2 = group_sum(sum2);
+  const int h = t & 1;
+  const uint2 la = planar_lanes(q1, h), lr = planar_lanes(q2, h);
+  if (!live) return;
+  const int G = K / 128, KW = K / 16;
+  if ((lane & 15) == 0) {
+    const int grp = (blockIdx.x * BLOCK + 8 * t) / 128;
+    gx[(long)m * G + grp] = sum1;
+    gr[(long)m * G + grp] = sum2;
+    sc[(long)m * 2 * G + grp] = s1;
+    sc[(long)m * 2 * G + G + grp] = s2;
+  }
+  const long w = (long)m * 4 * KW + (col >> 4);  // lane 0's word of this thread's pair
+  xa[w + (2 * h) * KW] = la.x;
+  xa[w + (2 * h + 1) * KW] = la.y;
+  xr[w + (2 * h) * KW] = lr.x;
+  xr[w + (2 * h + 1) * KW] = lr.y;
+}
