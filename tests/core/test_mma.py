@@ -101,18 +101,20 @@ def test_the_rtx_rule_at_the_27bs_shapes(kern):
     mma = kern.mma
     rtx = mma.RTX_5070
     ms = (2, 8, 9, 16, 17, 24, 32, 40, 48, 56, 64)
-    # on the RTX 5070's 48 SMs one K slice everywhere but qkv / GDN-in at 17-24 rows (eight warps, four slices)
+    # on the RTX 5070's 48 SMs one K slice everywhere (qkv / GDN-in at 17-24 rows took eight warps and four slices
+    # until the nineteenth session's sweep of warps along K)
     assert {name: [mma.default_config(m, n, k, rtx).split for m in ms] for name, (k, n) in LAYERS.items()} == {
-        "gate_up": [1] * 11, "down": [1] * 11, "qkv": [1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1], "o_proj": [1] * 11,
-        "gdn_in": [1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1], "gdn_out": [1] * 11, "lm_head": [1] * 11}
-    # the aims are CTAs per SM: on the H200's 132 SMs the same table asks for more slices
-    assert mma.default_config(24, 7168, 5120, mma.Gpu(120, 132)).split == 8
-    # the classes: qkv and GDN-in (other) on 32-row CTAs up to 16 rows; o_proj and GDN-out (shallow) and
-    # down_proj (deep) on eight warps, three stages at one column tile; two 16-row tiles per warp at 17-24 rows
-    # on all but the other class
+        name: [1] * 11 for name in LAYERS}
+    # the aims are CTAs per SM: on more SMs the same table entry asks for more slices
+    assert mma.default_config(8, 7168, 5120, mma.Gpu(90, 48)).split == 2
+    assert mma.default_config(8, 7168, 5120, mma.Gpu(90, 132)).split == 4
+    # the classes: qkv and GDN-in (other) on 32-row CTAs up to 16 rows, then 64-row CTAs with two warps along K at
+    # 17-24 rows (and 32-row CTAs with four at 25-32); o_proj and GDN-out (shallow) and down_proj (deep) on eight
+    # warps, three stages at one column tile; two 16-row tiles per warp at 17-24 rows on all but the other class
     layout = {name: [(c.warps, c.rtiles, c.stages) for c in (mma.default_config(m, n, k, rtx) for m in (8, 16, 24))]
               for name, (k, n) in LAYERS.items()}
-    assert layout["qkv"] == layout["gdn_in"] == [(2, 1, 2), (2, 1, 2), (8, 1, 4)]
+    assert layout["qkv"] == layout["gdn_in"] == [(2, 1, 2), (2, 1, 2), (4, 1, 2)]
+    assert [mma.default_config(m, 7168, 5120, rtx).ks for m in (16, 24, 32, 40)] == [1, 2, 4, 1]
     assert layout["o_proj"] == layout["gdn_out"] == [(8, 1, 3), (4, 2, 3), (4, 2, 2)]
     assert layout["down"] == [(8, 1, 3), (4, 1, 2), (4, 2, 2)]
     assert layout["gate_up"] == layout["lm_head"] == [(4, 1, 2), (4, 1, 2), (4, 2, 2)]
@@ -123,10 +125,10 @@ def test_the_rtx_rule_at_the_27bs_shapes(kern):
     for m in (40, 48, 56, 64):
         assert len({mma.default_config(m, *LAYERS[name][::-1], rtx) for name in shared}) == 1
     at32 = {name: mma.default_config(32, n, k, rtx) for name, (k, n) in LAYERS.items()}
-    assert at32["o_proj"].wm == 2 and at32["down"].wm == 1 and at32["gate_up"] == at32["down"] == at32["qkv"]
+    assert at32["o_proj"].wm == 2 and at32["down"].wm == 1 and at32["gate_up"] == at32["down"]
     assert {name: [mma.default_config(m, n, k, rtx).rows_per_cta() for m in (32, 40, 48, 56, 64)]
             for name, (k, n) in LAYERS.items() if name in ("qkv", "down")} == {
-        "qkv": [128, 64, 128, 64, 64], "down": [128] * 5}
+        "qkv": [32, 64, 128, 64, 64], "down": [128] * 5}
     assert [(c.stages, c.gps) for c in (mma.default_config(m, 5120, 8704, rtx) for m in (32, 40, 48, 56, 64))] == [
         (2, 4), (2, 4), (2, 4), (3, 2), (3, 2)]
     for gpu in (mma.Gpu(120, 132), rtx):

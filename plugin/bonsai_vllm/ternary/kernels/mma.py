@@ -168,9 +168,11 @@ _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (4, 1, 2, 4, 1, 8, 12), 4: (4, 1
 # sm_120, so eight warps of one tile take it. At 49-56 rows the first sweep left out every configuration with
 # batch warps (it checked them at seven column tiles, which two warps do not divide, though they run the
 # eight-tile instance): the 57-64-row entry runs that same instance, 1.15-1.19x faster at 56 rows than that
-# sweep's best, and the corrected sweep at 56 rows (down_proj, o_proj) found nothing faster. Only the H200's
-# bandwidth and clocks stay of the H200.
-_RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (8, 1, 4, 1, 1, 4, 4), 4: (4, 2, 2, 4, 1, 0, 2),
+# sweep's best, and the corrected sweep at 56 rows (down_proj, o_proj) found nothing faster. Warps along K
+# (nineteenth session, a sweep of them at 20, 24 and 32 rows beside the tables' entries): two on qkv / GDN-in at
+# 17-24 rows and four on two-warp CTAs at 25-32 (1.02-1.04x); on down_proj and o_proj the entries stayed fastest, and
+# gate_up lost 1.13x at 20 rows. Only the H200's bandwidth and clocks stay of the H200.
+_RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2, 2), 4: (2, 1, 2, 4, 1, 0, 2, 4),
               5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 2, 4, 1, 1, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
 _RTX_FROM_25 = {4: (4, 2, 2, 4, 1, 0, 2), 5: (8, 1, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 2, 0, 2), 7: (4, 2, 3, 2, 2, 0, 2),
                 8: (4, 2, 3, 2, 2, 0, 2)}  # 25-64 rows on the deep, wide and shallow layers
