@@ -52,7 +52,7 @@ class Dp4aActivations:
     # The kernel that wrote them, which the mma kernel's launch rule needs (mma.early_pays: it may start while
     # that kernel runs): PREP_DP4A (`prepare`), PREP_ROTATION (hadamard.rotate_dp4a) or PREP_CUDA_ROTATION
     # (rotate_prep.rotate_prep), with `prep_rows` rows per program.
-    prep: str = "prepare"
+    prep: str = PREP_DP4A
     prep_rows: int = 1
 
     @property

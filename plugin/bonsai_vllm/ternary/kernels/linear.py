@@ -11,8 +11,9 @@ Dispatch (by batch rows M = x.numel() / K and by device):
   then the CUDA C GEMV streaming the codes past activations held in registers (stream_gemv.cu; issue 19),
   launched to start while the prep runs: two launches;
 - M <= `DP4A_MAX_M` (BONSAI_DP4A_GEMV, on by default; issue 19): the rotation kernel preparing x for dp4a
-  (int8 bytes of x and of its residual, hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the
-  dp4a GEMV (dp4a.py), which stores y in x's dtype: two launches;
+  (int8 bytes of x and of its residual: on CUDA from sm_90 the CUDA C rotate_prep.cu, BONSAI_CUDA_ROTATION,
+  else Triton's hadamard.rotate_dp4a; dp4a.prepare when x comes rotated), then the dp4a GEMV (dp4a.py), which
+  stores y in x's dtype: two launches;
 - M <= `MMA_MAX_M` (BONSAI_MMA_GEMM, on by default; CUDA tensors only: the kernel is CUDA C compiled by
   NVRTC; W8 not kept): the same activation prep as dp4a, then the int8 tensor-core kernel decoding the codes
   in registers behind a cp.async pipeline (mma.cu; issue 19), configured per row count by the tables of the

@@ -11,7 +11,7 @@ carry), for the GPU it runs on, once per template instance and process: the serv
 `make compile-check` compiles it for sm_90 and sm_120 on a machine without a GPU.
 
     config = default_config(m, n, k, Gpu.of(device))  # once per layer and row count, at load
-    act = dp4a.prepare(xr)                # or hadamard.rotate_dp4a(x, signs): the activations' int8 and scales
+    act = dp4a.prepare(xr)                # or rotate_prep.rotate_prep(x, signs): the activations' int8 and scales
     y = gemm(act, packed, scales, config, workspace, out=y)
 
 The judge is `gemm_reference` (the integer maths of dp4a.gemv_reference, batched, the residual term

@@ -9,7 +9,7 @@ each CTA takes a contiguous range of rows in one wave, and nothing is summed acr
 comment has the layout). Compiled at run time by NVRTC like mma.cu: no nvcc in the image, and `make
 compile-check` compiles it for sm_90 and sm_120 on a machine without a GPU.
 
-    act = dp4a.prepare(xr)                  # or hadamard.rotate_dp4a(x, signs): the same prep as dp4a and mma
+    act = dp4a.prepare(xr)                  # or rotate_prep.rotate_prep(x, signs): the same prep as dp4a and mma
     y = gemv(act, packed, scales, config, out=y)
 
 The judge is dp4a.gemv_reference (the same integer maths), and behind it the float32 layer.
