@@ -169,6 +169,20 @@ def kernel_source(path) -> tuple[str, dict[str, str]]:
 
 
 @functools.cache
+def compile_file(path, name: str, arch: str) -> tuple[bytes, str]:
+    """compile_cuda of the CUDA C file `path` (beside its folder's common.cuh): the cubin of the instance `name`
+    for sm_`arch` and its lowered name, once per process. Host only (no GPU needed, any thread)."""
+    source, headers = kernel_source(path)
+    return compile_cuda(source, name, arch, headers=headers)
+
+
+@functools.cache
+def load_file(path, name: str, arch: str, device_index: int):
+    """compile_file's instance loaded into a device's context, once per process."""
+    return load(*compile_file(path, name, arch), device_index)
+
+
+@functools.cache
 def capability(device_index: int) -> tuple[int, int]:
     """The compute capability of a CUDA device (asked once per process)."""
     return torch.cuda.get_device_capability(device_index)

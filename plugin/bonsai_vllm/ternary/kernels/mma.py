@@ -227,17 +227,15 @@ def template(rows: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
             f"{_OUT[out_dtype]}, {config.stages}, {config.gps}" + (f", {config.ks}>" if config.ks > 1 else ">"))
 
 
-@functools.cache
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
     """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name. Host only (no GPU
-    needed, any thread): make compile-check calls it for sm_90 and sm_120."""
-    source, headers = nvrtc.kernel_source(SOURCE)
-    return nvrtc.compile_cuda(source, name, capability, headers=headers)
+    needed, any thread; once per process): make compile-check calls it for sm_90 and sm_120."""
+    return nvrtc.compile_file(SOURCE, name, capability)
 
 
 @functools.cache
 def _load(name: str, capability: str, device_index: int, shared: int):
-    fn = nvrtc.load(*compile_instance(name, capability), device_index)
+    fn = nvrtc.load_file(SOURCE, name, capability, device_index)
     if shared > SHARED_DEFAULT:
         nvrtc.allow_shared(fn, shared, device_index)
     return fn

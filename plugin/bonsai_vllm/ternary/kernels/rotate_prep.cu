@@ -25,29 +25,17 @@
 
 #include "common.cuh"  // u32, u16, half_to_float
 
-__device__ __forceinline__ float mul_rn(float a, float b) {
-  float d;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
-__device__ __forceinline__ float add_rn(float a, float b) {
-  float d;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
-__device__ __forceinline__ float sub_rn(float a, float b) {
-  float d;
-  asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
-__device__ __forceinline__ float div_rn(float a, float b) {
-  float d;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
+// a op b rounded to nearest on its own: PTX .rn, which ptxas never fuses into an FMA (the reference rounds each step)
+#define ROUNDED_OP(name, op)                                                 \
+  __device__ __forceinline__ float name(float a, float b) {                  \
+    float d;                                                                 \
+    asm(op ".rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));                \
+    return d;                                                                \
+  }
+ROUNDED_OP(mul_rn, "mul")
+ROUNDED_OP(add_rn, "add")
+ROUNDED_OP(sub_rn, "sub")
+ROUNDED_OP(div_rn, "div")
 
 // dp4a.py's _round_int8: half away from zero, clamped to [-127, 127].
 __device__ __forceinline__ float round_int8(float v) {

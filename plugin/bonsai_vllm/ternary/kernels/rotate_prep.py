@@ -17,7 +17,6 @@ rounding only.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from pathlib import Path
@@ -44,16 +43,10 @@ def template(block: int, rows_per_cta: int, in_dtype: torch.dtype) -> str:
     return f"rotate_prep<{block}, {rows_per_cta}, {_IN[in_dtype]}>"
 
 
-@functools.cache
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
-    """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name (host only)."""
-    source, headers = nvrtc.kernel_source(SOURCE)
-    return nvrtc.compile_cuda(source, name, capability, headers=headers)
-
-
-@functools.cache
-def _load(name: str, capability: str, device_index: int):
-    return nvrtc.load(*compile_instance(name, capability), device_index)
+    """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name (host only; once per
+    process)."""
+    return nvrtc.compile_file(SOURCE, name, capability)
 
 
 def kernel(block: int, rows_per_cta: int, in_dtype: torch.dtype, device: torch.device | str):
@@ -61,7 +54,7 @@ def kernel(block: int, rows_per_cta: int, in_dtype: torch.dtype, device: torch.d
     graph capture."""
     index = torch.device(device).index or 0
     major, minor = nvrtc.capability(index)
-    return _load(template(block, rows_per_cta, in_dtype), f"{major}{minor}", index)
+    return nvrtc.load_file(SOURCE, template(block, rows_per_cta, in_dtype), f"{major}{minor}", index)
 
 
 def applies(device: torch.device | str, block: int, dtype: torch.dtype = torch.bfloat16) -> bool:

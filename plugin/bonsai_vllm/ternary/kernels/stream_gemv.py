@@ -91,23 +91,17 @@ def template(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype) -> st
             f"{str(config.prefetch).lower()}, {_OUT[out_dtype]}>")
 
 
-@functools.cache
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
-    """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name (host only)."""
-    source, headers = nvrtc.kernel_source(SOURCE)
-    return nvrtc.compile_cuda(source, name, capability, headers=headers)
-
-
-@functools.cache
-def _load(name: str, capability: str, device_index: int):
-    return nvrtc.load(*compile_instance(name, capability), device_index)
+    """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name (host only; once per
+    process)."""
+    return nvrtc.compile_file(SOURCE, name, capability)
 
 
 def kernel(config: StreamConfig, m: int, k: int, out_dtype: torch.dtype, device: torch.device):
     """The loaded instance for m batch rows on `device`'s GPU (compiled once per process)."""
     index = torch.device(device).index or 0
     major, minor = nvrtc.capability(index)
-    return _load(template(config, m, k, out_dtype), f"{major}{minor}", index)
+    return nvrtc.load_file(SOURCE, template(config, m, k, out_dtype), f"{major}{minor}", index)
 
 
 def launch_shape(config: StreamConfig, m: int, n: int, k: int, out_dtype: torch.dtype,
