@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                     failures.append(f"{name} M={m} gemlite: {type(e).__name__}: {str(e)[:200]}")
             label = f"int8 GEMM, W8 {route.w8}" if route.path == "int8" else str(route)
             row = dict(layer=name, K=k, N=n, M=m, x="rotated" if rotated else "unrotated", route=label, ours_us=t_ours,
-                       late_us=t_late, triton_rotation_us=t_triton, err=err, bf16_us=t_bf16, floor_us=floor, gemlite_us=t_gl, gemlite_err=err_gl)
+                       late_us=t_late, triton_rotation_us=t_triton, err=err, bf16_us=t_bf16, floor_us=floor,
+                       gemlite_us=t_gl, gemlite_err=err_gl)
             rows.append(row)
             bk.say(f"  {name:8s} M={m:4d} ours {t_ours:8.2f} µs ({route.path}, err {err:.1e}; ordinary launch "
                    f"{t_late:8.2f}; Triton rotation {t_triton:8.2f})  bf16 {t_bf16:8.2f}  "

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.
     t0 = time.time()
     wanted = {mma.template(m, c, dt): (m, c, dt) for name, k, n in shapes for m in ms
-              for c in sweep(m, n, k, args.quick, args.min_shared, gpus, args.ks_only) for dt in (torch.bfloat16, torch.float32)}
+              for c in sweep(m, n, k, args.quick, args.min_shared, gpus, args.ks_only)
+              for dt in (torch.bfloat16, torch.float32)}
     cap = "".join(map(str, torch.cuda.get_device_capability()))
     # With --rtx-occupancy the sm_120 builds too: their register counts set each launch's padding.
     builds = [(name, c) for name in sorted(wanted) for c in ([cap, "120"] if args.rtx_occupancy else [cap])]

@@ -291,8 +291,8 @@ def resources(cubin: bytes) -> Resources:
 
 
 def compile_cuda(capability: int) -> list[Compiled]:
-    """The CUDA C kernels (ternary/kernels/mma.cu, stream_gemv.cu, rotate_prep.cu), which NVRTC compiles at load: every instance the dispatch
-    launches at the six layers' shapes (the rows of the mma route, y in bf16 and in float32 for a bias), as a
+    """The CUDA C kernels (ternary/kernels/mma.cu, stream_gemv.cu, rotate_prep.cu), which NVRTC compiles at
+    load: every instance the dispatch launches at the six layers' shapes (the rows of the mma route, y in bf16 and in float32 for a bias), as a
     cubin for `capability`; registers, stack (spills) and static shared memory read by Triton's cuobjdump, plus
     the dynamic shared memory each launch asks for (mma's pipeline stages, the stream GEMV's warp sums)."""
     from bonsai_vllm.ternary.kernels import linear, mma, rotate_prep, stream_gemv
@@ -325,11 +325,11 @@ def compile_cuda(capability: int) -> list[Compiled]:
         out.append(Compiled("ternary_stream_gemv", capability, config.warps(k), 1,
                             r.static_shared + 4 * config.warps(k) * rows * cap, r.registers, r.spill_bytes, name))
     # the rotation + prep of unrotated decode rows (static shared memory only), at the rows per CTA it serves
-    for rows in (rotate_prep.ROWS_DEFAULT,):
-        name = rotate_prep.template(linear.BLOCK, rows, torch.bfloat16)
-        r = resources(rotate_prep.compile_instance(name, str(capability))[0])
-        out.append(Compiled("rotate_prep", capability, rows * linear.BLOCK // 256, 1, r.static_shared, r.registers,
-                            r.spill_bytes, name))
+    rows = rotate_prep.ROWS_DEFAULT
+    name = rotate_prep.template(linear.BLOCK, rows, torch.bfloat16)
+    r = resources(rotate_prep.compile_instance(name, str(capability))[0])
+    out.append(Compiled("rotate_prep", capability, rows * linear.BLOCK // 256, 1, r.static_shared, r.registers,
+                        r.spill_bytes, name))
     return out
 
 

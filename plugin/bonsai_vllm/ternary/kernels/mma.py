@@ -172,8 +172,8 @@ _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (4, 1, 2, 4, 1, 8, 12), 4: (4, 1
 # (nineteenth session, a sweep of them at 20, 24 and 32 rows beside the tables' entries): two on qkv / GDN-in at
 # 17-24 rows and four on two-warp CTAs at 25-32 (1.02-1.04x); on down_proj and o_proj the entries stayed fastest, and
 # gate_up lost 1.13x at 20 rows. Only the H200's bandwidth and clocks stay of the H200.
-_RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2, 2), 4: (2, 1, 2, 4, 1, 0, 2, 4),
-              5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 2, 4, 1, 1, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
+_RTX_OTHER = {1: (2, 1, 2, 4, 1, 0, 2), 2: (2, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2, 2),
+              4: (2, 1, 2, 4, 1, 0, 2, 4), 5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 2, 4, 1, 1, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
 _RTX_FROM_25 = {4: (4, 2, 2, 4, 1, 0, 2), 5: (8, 1, 2, 4, 1, 0, 2), 6: (4, 2, 2, 4, 2, 0, 2), 7: (4, 2, 3, 2, 2, 0, 2),
                 8: (4, 2, 3, 2, 2, 0, 2)}  # 25-64 rows on the deep, wide and shallow layers
 _RTX_SHALLOW = {**_RTX_OTHER, **_RTX_FROM_25, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 2, 3, 4, 1, 0, 2),
@@ -300,8 +300,8 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     [N, K/128]) applied to the M rows of `act` (1 <= M <= 64); `out` may be any [M, N] view with unit stride
     along N. `workspace`: dp4a.Dp4aWorkspace (partials and per-tile counters, zero between calls). `early`:
     launched as a programmatic dependent of the kernel ahead of it (nvrtc.launch; sm_90 and later; None:
-    EARLY_LAUNCH where `early_pays` says so of the kernel that prepared `act`). `shared_mem`: launch with that many bytes of
-    shared memory instead of the stages' own (at least those; benchmarks/mma_gemm.py pads CTAs so that the H200
+    EARLY_LAUNCH where `early_pays` says so of the kernel that prepared `act`). `shared_mem`: launch with that
+    many bytes of shared memory instead of the stages' own (at least those; benchmarks/mma_gemm.py pads CTAs so that the H200
     holds as many per SM as the RTX card would)."""
     n, kw = packed.shape
     m = act.rows

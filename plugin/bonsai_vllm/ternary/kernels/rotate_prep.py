@@ -71,10 +71,9 @@ def _norm_bits(block: int) -> int:
 
 
 def rotate_prep(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out: Dp4aActivations | None = None,
-                rows_per_cta: int | None = None, release: bool = True) -> Dp4aActivations:
+                rows_per_cta: int | None = None) -> Dp4aActivations:
     """Rows x [K] or [M, K] -> dp4a.Dp4aActivations of H(s ⊙ x) per `block`, one launch. `signs` float32 [K]
-    (±1); `rows_per_cta`: R (None: ROWS_DEFAULT); `release`: let the kernel after it (a programmatic dependent)
-    start as this one starts, not as its CTAs end."""
+    (±1); `rows_per_cta`: R (None: ROWS_DEFAULT)."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     if block not in BLOCKS or k % block:
@@ -91,8 +90,7 @@ def rotate_prep(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out:
     act = empty_activations(k, x.device, m) if out is None else out
     fn = kernel(block, rows, x2.dtype, x.device)
     fn(grid=(k // block, -(-m // rows), 1), block=(rows * block // 8, 1, 1),
-       args=[x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, m, k, x2.stride(0), _norm_bits(block),
-             int(release)])
+       args=[x2, signs, act.xa, act.xr, act.gx, act.gr, act.s, m, k, x2.stride(0), _norm_bits(block)])
     return made_by(act, PREP_CUDA_ROTATION, rows)
 
 
