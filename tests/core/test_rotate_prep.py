@@ -110,3 +110,98 @@ def test_prepare_leaves_the_switch_off_where_the_kernel_cannot_run(kern):
     tw = kern.linear.prepare(pack_ternary(codes), torch.ones(32, 8, dtype=torch.float16), _signs(1024, 0),
                              cuda_rotation=True)
     assert tw.cuda_rotation is False  # CPU: the Triton rotation (or the reference route) stays
+
+
+# ------------------------------------------------------------------ the residual add + RMSNorm fused ahead
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("add", [True, False])
+def test_norm_reference_is_vllms_norm_up_to_one_rounding(dtype, add, kern):
+    # linear.rms_norm is vLLM's formula in torch (tests/test_linear_adapter.py holds it to vLLM's own module)
+    g = torch.Generator().manual_seed(7)
+    k = 5120
+    x = torch.randn(6, k, generator=g).to(dtype)
+    residual = (4 * torch.randn(6, k, generator=g)).to(dtype) if add else None
+    weight = (0.1 * torch.randn(k, generator=g)).to(dtype)  # Gemma-style: the norm multiplies by 1 + weight
+    normed, new_res = kern.rp.norm_reference(x, residual, weight, 1e-6, weight_offset=1.0)
+    want, want_res = kern.linear.rms_norm(x, residual, weight, 1e-6, weight_offset=1.0)
+    assert normed.dtype == dtype and normed.shape == x.shape
+    if add:
+        assert torch.equal(new_res, want_res)  # the residual is one rounding of an exact float32 sum
+    else:
+        assert new_res is None
+    # the sum of squares in another order: the normed rows may differ by one unit in the last place, rarely
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    rel = (normed.float() - want.float()).abs() / want.float().abs().clamp_min(1e-30)
+    assert rel.max().item() <= ulp
+    assert (normed != want).float().mean().item() < 0.02
+
+
+def test_norm_reference_sums_in_the_kernels_order(kern):
+    # inputs whose squares do not add exactly in float32: the kernel's order (eight per thread, warp butterflies,
+    # warps in turn) gives a different total from a plain left-to-right sum, and the reference must follow it
+    k = 1024
+    x = torch.full((1, k), 0.6 ** 0.5)  # squares of 0.6 added one by one to 9e6 (ulp 1) round up to 1 each
+    x[0, 0] = 3000.0
+    weight = torch.ones(k)
+    normed, _ = kern.rp.norm_reference(x, None, weight, 0.0)
+    sq = x[0] * x[0]
+    parts = sq.reshape(k // 8, 8)
+    per_thread = torch.zeros(k // 8)
+    for i in range(8):
+        per_thread = per_thread + parts[:, i]
+    lanes = per_thread.reshape(k // 256, 32)
+    for d in (1, 2, 4, 8, 16):
+        lanes = lanes + lanes[:, torch.arange(32) ^ d]
+    total = torch.zeros(())
+    for w in range(k // 256):
+        total = total + lanes[w, 0]
+    rstd = 1.0 / torch.sqrt(total / k)
+    assert torch.equal(normed[0], x[0] * rstd)
+    serial = torch.zeros(())
+    for v in sq:
+        serial = serial + v
+    assert serial.item() != total.item()  # the order matters for these inputs
+
+
+def test_norm_prep_reference_prepares_what_it_stores(kern):
+    g = torch.Generator().manual_seed(3)
+    k = 5120
+    x = torch.randn(3, k, generator=g).bfloat16()
+    residual = torch.randn(3, k, generator=g).bfloat16()
+    weight, signs = (0.1 * torch.randn(k, generator=g)).bfloat16(), _signs(k, 5)
+    normed, new_res, act = kern.rp.norm_rotate_prep_reference(x, residual, weight, 1e-6, signs, 1024, 1.0)
+    want = kern.rp.rotate_prep_reference(normed, signs, 1024)
+    for f in ("xa", "xr", "gx", "gr", "s"):
+        assert torch.equal(getattr(act, f), getattr(want, f))
+    assert torch.equal(new_res, (x.float() + residual.float()).bfloat16())
+
+
+def test_norm_prep_refuses_what_the_kernel_cannot_take(kern):
+    k = 5120
+    bf16 = torch.bfloat16
+    x = torch.zeros(2, k, dtype=bf16)
+    w, signs = torch.ones(k, dtype=bf16), torch.ones(k)
+    with pytest.raises(ValueError, match="whole blocks"):
+        kern.rp.norm_rotate_prep(torch.zeros(2, 3000, dtype=bf16), None, torch.ones(3000, dtype=bf16), 1e-6,
+                                 torch.ones(3000))
+    with pytest.raises(ValueError, match="up to 8192"):
+        kern.rp.norm_rotate_prep(torch.zeros(2, 9216, dtype=bf16), None, torch.ones(9216, dtype=bf16), 1e-6,
+                                 torch.ones(9216))
+    with pytest.raises(ValueError, match="residual"):
+        kern.rp.norm_rotate_prep(x, torch.zeros(2, k, dtype=torch.float16), w, 1e-6, signs)
+    with pytest.raises(ValueError, match="weight"):
+        kern.rp.norm_rotate_prep(x, None, w.float(), 1e-6, signs)
+    with pytest.raises(ValueError, match="signs"):
+        kern.rp.norm_rotate_prep(x, None, w, 1e-6, signs[:1024])
+
+
+def test_norm_template_and_where_it_applies(kern, monkeypatch):
+    assert kern.rp.norm_template(1024, 5120, torch.bfloat16, True) == "norm_rotate_prep<1024, 5, 1, 1>"
+    assert kern.rp.norm_template(1024, 2048, torch.float16, False) == "norm_rotate_prep<1024, 2, 2, 0>"
+    assert not kern.rp.norm_applies("cpu", 5120, 1024)
+    monkeypatch.setattr(kern.rp.nvrtc, "capability", lambda index: (9, 0))
+    assert kern.rp.norm_applies("cuda:0", 5120, 1024)
+    assert not kern.rp.norm_applies("cuda:0", 9216, 1024)  # a row is one CTA of K / 8 threads
+    assert not kern.rp.norm_applies("cuda:0", 5120, 4096)

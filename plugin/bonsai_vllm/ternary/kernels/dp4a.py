@@ -37,6 +37,7 @@ from bonsai_vllm.triton_runtime import early_launch, interpreting, require, tl, 
 
 GROUP = 128  # scale group along K (the checkpoint's)
 PREP_DP4A, PREP_ROTATION, PREP_CUDA_ROTATION = "prepare", "rotation", "cuda_rotation"  # Dp4aActivations.prep
+PREP_NORM_ROTATION = "norm_rotation"  # rotate_prep.norm_rotate_prep: RMSNorm + rotation + prep, a CTA per row
 INV127 = 1.0 / 127  # int8 scale = max |x| · INV127, in float32 on both sides
 
 
@@ -50,8 +51,9 @@ class Dp4aActivations:
     gr: torch.Tensor  # int32 [M, K/128]: Σ r8 per group
     s: torch.Tensor  # float32 [M, 2, K/128]: s1, s2 per group
     # The kernel that wrote them, which the mma kernel's launch rule needs (mma.early_pays: it may start while
-    # that kernel runs): PREP_DP4A (`prepare`), PREP_ROTATION (hadamard.rotate_dp4a) or PREP_CUDA_ROTATION
-    # (rotate_prep.rotate_prep), with `prep_rows` rows per program.
+    # that kernel runs): PREP_DP4A (`prepare`), PREP_ROTATION (hadamard.rotate_dp4a), PREP_CUDA_ROTATION
+    # (rotate_prep.rotate_prep) or PREP_NORM_ROTATION (rotate_prep.norm_rotate_prep), with `prep_rows` rows per
+    # program.
     prep: str = PREP_DP4A
     prep_rows: int = 1
 

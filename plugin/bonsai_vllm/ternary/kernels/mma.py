@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from bonsai_vllm import nvrtc
-from bonsai_vllm.ternary.kernels.dp4a import (GROUP, PREP_CUDA_ROTATION, PREP_DP4A, PREP_ROTATION,
-                                              Dp4aActivations, unplanar)
+from bonsai_vllm.ternary.kernels.dp4a import (GROUP, PREP_CUDA_ROTATION, PREP_DP4A, PREP_NORM_ROTATION,
+                                              PREP_ROTATION, Dp4aActivations, unplanar)
 
 SOURCE = Path(__file__).with_name("mma.cu")
 MAX_ROWS = 64  # batch rows one launch takes (8 per mma column tile, T <= 8)
@@ -285,9 +285,11 @@ def early_pays(grid: int, rows: int, k: int, sms: int, prep: str = PREP_DP4A, pr
       programs run longer: where the grid fits beside them (o_proj / GDN-out's 80 CTAs: 11-17 % faster), or from
       two CTAs per SM while they are few (5-11 %) or many (gate_up from 56 rows, one row per program: 1.5 %). In
       between, early lost up to 1.52x (gate_up at 16 rows, one row per program: 40.7 µs against 26.8), and from
-      one CTA per SM down up to 1.8x."""
+      one CTA per SM down up to 1.8x.
+    - behind the RMSNorm + rotation + prep (rotate_prep.norm_rotate_prep, a CTA of K / 8 threads per row: as many
+      threads as the CUDA C rotation's P CTAs): taken as the CUDA C rotation's rule, never measured."""
     programs = -(-rows // max(prep_rows, 1)) * -(-k // 1024)  # P: the prep's programs
-    if prep == PREP_CUDA_ROTATION:
+    if prep in (PREP_CUDA_ROTATION, PREP_NORM_ROTATION):
         return grid >= 2 * sms or 10 * programs <= 13 * sms
     if prep == PREP_ROTATION:
         return grid + programs <= sms or (grid >= 2 * sms and (3 * programs <= sms or programs >= 2 * sms))

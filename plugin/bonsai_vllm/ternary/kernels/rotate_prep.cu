@@ -1,6 +1,7 @@
 // The signed block Hadamard rotation of decode rows and the dp4a prep of the result, one CUDA C kernel (issue 19):
 // Dp4aActivations of H(s ⊙ x) per block, what hadamard.rotate_dp4a gives through Triton, for the kernels after it
-// (stream_gemv.cu, mma.cu, dp4a.py's GEMV).
+// (stream_gemv.cu, mma.cu, dp4a.py's GEMV). `norm_rotate_prep`, at the end of the file, runs the residual add and
+// RMSNorm of the layer's input ahead of the same rotation + prep.
 //
 // Compiled at run time by NVRTC (rotate_prep.py), like mma.cu. Why not Triton: there the rotation is two
 // tensor-core products per block with the layout conversions between them and the prep's reductions going
@@ -96,45 +97,13 @@ __device__ __forceinline__ uint2 planar_lanes(const int (&q)[8], int h) {
            : make_uint2(m0 | (got << 16), m1 | (got & 0xffff0000u));
 }
 
-template <int BLOCK, int R, int IN>
-__global__ void __launch_bounds__(R * BLOCK / 8)
-rotate_prep(const void* __restrict__ x,       // [M, stride_x] of IN's type, rows of K inputs
-            const float* __restrict__ signs,  // [K] ±1
-            u32* __restrict__ xa,             // [M, 4, K/16] planar int8 of x
-            u32* __restrict__ xr,             // [M, 4, K/16] planar int8 of the residual
-            int* __restrict__ gx,             // [M, G] Σ x8 per group
-            int* __restrict__ gr,             // [M, G] Σ r8 per group
-            float* __restrict__ sc,           // [M, 2, G] s1, s2 per group
-            int M, int K, int stride_x,
-            int norm_bits) {  // the float32 bits of 1 / sqrt(BLOCK) (a launch argument is an int or a pointer)
-  // The kernel after this one (launched as its programmatic dependent) may start now: it issues its weights'
-  // loads, then waits for this grid's end before it reads the activations. (Releasing it only as this grid's CTAs
-  // exit was 2-19 % slower served on the H200.)
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-  constexpr int TPB = BLOCK / 8;  // threads per row
-  static_assert(TPB % 32 == 0 && (TPB & (TPB - 1)) == 0, "a row's block is whole warps, a power of two");
-  constexpr float INV127 = (float)(1.0 / 127);  // dp4a.INV127 as float32
-  const int r = threadIdx.x / TPB, t = threadIdx.x % TPB, lane = threadIdx.x & 31;
-  const int m = blockIdx.y * R + r;
-  const bool live = m < M;  // rows past M compute on zeros (they take part in the shuffles and barriers)
-  const int col = blockIdx.x * BLOCK + 8 * t;
-
-  float v[8];
-  if (live) {
-    load8<IN>(x, (long)m * stride_x + col, v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = 0.f;
-  }
-  {
-    const float4 a = reinterpret_cast<const float4*>(signs + col)[0];
-    const float4 b = reinterpret_cast<const float4*>(signs + col)[1];
-    const float s[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], s[i]);  // exact
-  }
+// H(s ⊙ x) / sqrt(BLOCK) of one block in place: v holds inputs 8t .. 8t + 7 of the block (already times their
+// signs), r the block's slot among the R blocks of the CTA (each slot TPB = BLOCK / 8 consecutive threads). Every
+// thread of the CTA calls it (the shared-memory steps hold barriers).
+template <int BLOCK, int R>
+__device__ __forceinline__ void rotate_block(float (&v)[8], int r, int t, int lane, float norm) {
+  constexpr int TPB = BLOCK / 8;  // threads per block
+  static_assert(TPB % 32 == 0 && (TPB & (TPB - 1)) == 0, "a block is whole warps, a power of two");
   // index bits 0-2: inside the thread
 #pragma unroll
   for (int d = 1; d < 8; d *= 2)
@@ -155,7 +124,7 @@ rotate_prep(const void* __restrict__ x,       // [M, stride_x] of IN's type, row
       v[i] = upper ? sub_rn(o, v[i]) : add_rn(v[i], o);
     }
   }
-  // bits 8 and up: between the row's warps
+  // bits 8 and up: between the block's warps
   if (TPB > 32) {
     __shared__ __align__(16) float buf[R * BLOCK];
     float4* mine = reinterpret_cast<float4*>(buf + r * BLOCK + 8 * t);
@@ -174,9 +143,15 @@ rotate_prep(const void* __restrict__ x,       // [M, stride_x] of IN's type, row
     }
   }
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], __int_as_float(norm_bits));
+  for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], norm);
+}
 
-  // the prep, per group of 128 (16 threads)
+// dp4a's prep of rotated inputs col .. col + 7 of row m (v), per group of 128 (16 threads), and its stores. Every
+// thread of the warp calls it (shuffles); rows that are not `live` store nothing.
+__device__ __forceinline__ void prep_store(const float (&v)[8], bool live, int m, int K, int col, int t, int lane,
+                                           u32* __restrict__ xa, u32* __restrict__ xr, int* __restrict__ gx,
+                                           int* __restrict__ gr, float* __restrict__ sc) {
+  constexpr float INV127 = (float)(1.0 / 127);  // dp4a.INV127 as float32
   const float s1 = mul_rn(fmaxf(group_absmax(v), 1e-30f), INV127), inv1 = div_rn(1.f, s1);
   float res[8];
   int q1[8], q2[8];
@@ -199,7 +174,7 @@ rotate_prep(const void* __restrict__ x,       // [M, stride_x] of IN's type, row
   if (!live) return;
   const int G = K / 128, KW = K / 16;
   if ((lane & 15) == 0) {
-    const int grp = (blockIdx.x * BLOCK + 8 * t) / 128;
+    const int grp = (unsigned)col / 128;  // col >= 0: a shift
     gx[(long)m * G + grp] = sum1;
     gr[(long)m * G + grp] = sum2;
     sc[(long)m * 2 * G + grp] = s1;
@@ -210,4 +185,147 @@ rotate_prep(const void* __restrict__ x,       // [M, stride_x] of IN's type, row
   xa[w + (2 * h + 1) * KW] = la.y;
   xr[w + (2 * h) * KW] = lr.x;
   xr[w + (2 * h + 1) * KW] = lr.y;
+}
+
+// Eight inputs times their signs (signs 16-byte aligned at col).
+__device__ __forceinline__ void apply_signs(float (&v)[8], const float* __restrict__ signs, int col) {
+  const float4 a = reinterpret_cast<const float4*>(signs + col)[0];
+  const float4 b = reinterpret_cast<const float4*>(signs + col)[1];
+  const float s[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], s[i]);  // exact
+}
+
+template <int BLOCK, int R, int IN>
+__global__ void __launch_bounds__(R * BLOCK / 8)
+rotate_prep(const void* __restrict__ x,       // [M, stride_x] of IN's type, rows of K inputs
+            const float* __restrict__ signs,  // [K] ±1
+            u32* __restrict__ xa,             // [M, 4, K/16] planar int8 of x
+            u32* __restrict__ xr,             // [M, 4, K/16] planar int8 of the residual
+            int* __restrict__ gx,             // [M, G] Σ x8 per group
+            int* __restrict__ gr,             // [M, G] Σ r8 per group
+            float* __restrict__ sc,           // [M, 2, G] s1, s2 per group
+            int M, int K, int stride_x,
+            int norm_bits) {  // the float32 bits of 1 / sqrt(BLOCK) (a launch argument is an int or a pointer)
+  // The kernel after this one (launched as its programmatic dependent) may start now: it issues its weights'
+  // loads, then waits for this grid's end before it reads the activations. (Releasing it only as this grid's CTAs
+  // exit was 2-19 % slower served on the H200.)
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  constexpr int TPB = BLOCK / 8;  // threads per row
+  const int r = threadIdx.x / TPB, t = threadIdx.x % TPB, lane = threadIdx.x & 31;
+  const int m = blockIdx.y * R + r;
+  const bool live = m < M;  // rows past M compute on zeros (they take part in the shuffles and barriers)
+  const int col = blockIdx.x * BLOCK + 8 * t;
+
+  float v[8];
+  if (live) {
+    load8<IN>(x, (long)m * stride_x + col, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.f;
+  }
+  apply_signs(v, signs, col);
+  rotate_block<BLOCK, R>(v, r, t, lane, __int_as_float(norm_bits));
+  prep_store(v, live, m, K, col, t, lane, xa, xr, gx, gr, sc);
+}
+
+// x rounded to IN's type (1 bfloat16, 2 float16; 0 float32 as it is), as float32, and its bits for a store.
+template <int IN>
+__device__ __forceinline__ float round_to(float v, u16& bits) {
+  if (IN == 1) {
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+    return __int_as_float((u32)bits << 16);
+  } else if (IN == 2) {
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(v));
+    return half_to_float(bits);
+  }
+  return v;
+}
+
+// Eight values of IN's type (their bits from round_to, or float32 as they are) stored at y + i (16-byte aligned).
+template <int IN>
+__device__ __forceinline__ void store8(void* y, long i, const float (&v)[8], const u16 (&bits)[8]) {
+  if (IN == 0) {
+    reinterpret_cast<float4*>(reinterpret_cast<float*>(y) + i)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(reinterpret_cast<float*>(y) + i)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint4 p;
+    p.x = bits[0] | (u32)bits[1] << 16, p.y = bits[2] | (u32)bits[3] << 16;
+    p.z = bits[4] | (u32)bits[5] << 16, p.w = bits[6] | (u32)bits[7] << 16;
+    *reinterpret_cast<uint4*>(reinterpret_cast<u16*>(y) + i) = p;
+  }
+}
+
+// The residual add and RMSNorm ahead of a layer, fused with the rotation + prep of its output (issue 19: one
+// kernel boundary less per normed layer input: the boundary cost ~1.1 µs on the H200, nineteenth session).
+//   z = x + residual (float32; ADD = 0: z = x), residual_out = z in IN's type,
+//   normed = (z · 1 / sqrt(mean(z²) + eps)) · (weight + offset) in IN's type (offset 1 for Qwen3.5's Gemma-style
+//   norm, whose checkpoint stores weight - 1; the sum in float32, as vLLM's `self.weight.float() + 1.0`),
+//   then what rotate_prep gives of `normed`.
+// vLLM's fused_add_rms_norm computes the same formula; the sum of squares here goes in a fixed order (eight per
+// thread in turn, shfl.xor 1 .. 16, the warps in turn: rotate_prep.norm_reference) with 1 / sqrt rounded twice,
+// where torch takes rsqrt, so `normed` may differ from vLLM's by one unit in the last place.
+// A CTA takes one row: NB blocks of BLOCK inputs, NB · BLOCK / 8 threads, thread i holding inputs 8i .. 8i + 7.
+template <int BLOCK, int NB, int IN, int ADD>
+__global__ void __launch_bounds__(NB * BLOCK / 8)
+norm_rotate_prep(const void* __restrict__ x,    // [M, stride_x] of IN's type
+                 const void* residual,          // [M, stride_r] (ADD; else unread), may be residual_out itself
+                 void* residual_out,            // [M, K] (ADD; else unwritten)
+                 void* __restrict__ normed,     // [M, K] (store_normed; else unwritten)
+                 const void* __restrict__ w,    // [K] of IN's type: the norm's weight
+                 const float* __restrict__ signs,  // [K] ±1
+                 u32* __restrict__ xa, u32* __restrict__ xr, int* __restrict__ gx, int* __restrict__ gr,
+                 float* __restrict__ sc,        // the Dp4aActivations, as rotate_prep
+                 int stride_x, int stride_r,
+                 int store_normed,  // 0: the normed rows are not stored (only the activations are needed)
+                 int offset_bits,  // the float32 bits of what the weight is offset by (1 for a Gemma-style norm)
+                 int eps_bits,    // the float32 bits of eps
+                 int norm_bits) { // the float32 bits of 1 / sqrt(BLOCK)
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  constexpr int TPB = BLOCK / 8, THREADS = NB * TPB, WARPS = THREADS / 32, K = NB * BLOCK;
+  static_assert(THREADS <= 1024, "a row in one CTA");
+  const int m = blockIdx.x, lane = threadIdx.x & 31, col = 8 * threadIdx.x;
+  float v[8];
+  u16 bits[8];
+  load8<IN>(x, (long)m * stride_x + col, v);
+  if (ADD) {
+    float q[8];
+    load8<IN>(residual, (long)m * stride_r + col, q);
+    float z[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] = add_rn(v[i], q[i]);
+      z[i] = round_to<IN>(v[i], bits[i]);
+    }
+    store8<IN>(residual_out, (long)m * K + col, z, bits);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ss = add_rn(ss, mul_rn(v[i], v[i]));
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) ss = add_rn(ss, __shfl_xor_sync(0xffffffffu, ss, d));
+  __shared__ float warp_sums[WARPS];
+  if (lane == 0) warp_sums[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < WARPS; ++i) total = add_rn(total, warp_sums[i]);
+  const float rstd = div_rn(1.f, __fsqrt_rn(add_rn(div_rn(total, (float)K), __int_as_float(eps_bits))));
+  {
+    float f[8];
+    load8<IN>(w, col, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float factor = add_rn(f[i], __int_as_float(offset_bits));  // vLLM: weight.float() + 1.0
+      v[i] = round_to<IN>(mul_rn(mul_rn(v[i], rstd), factor), bits[i]);
+    }
+  }
+  if (store_normed) store8<IN>(normed, (long)m * K + col, v, bits);
+  apply_signs(v, signs, col);
+  rotate_block<BLOCK, NB>(v, threadIdx.x / TPB, threadIdx.x % TPB, lane, __int_as_float(norm_bits));
+  prep_store(v, true, m, K, col, threadIdx.x % TPB, lane, xa, xr, gx, gr, sc);
 }

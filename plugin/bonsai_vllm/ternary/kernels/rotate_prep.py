@@ -8,11 +8,18 @@ sm_120 on a machine without a GPU). It lets the kernel after it start early (`gr
 sm_90 and later only (`applies`).
 
     act = rotate_prep(x, signs, block)      # x [M, K] bf16 / fp16 / fp32 on the GPU; Dp4aActivations of M rows
+    normed, residual, act = norm_rotate_prep(x, residual, w, eps, signs, block)  # the RMSNorm ahead, fused
+
+The second kernel, `norm_rotate_prep`, first does what vLLM's fused_add_rms_norm does ahead of a layer (residual
+add, RMSNorm) and then the rotation + prep of its output, so that a layer fed by a norm (qkv, GDN-in, gate_up)
+needs one kernel ahead of its GEMV instead of two (issue 19: a kernel boundary cost ~1.1 µs on the H200). It is not
+served yet: it has no caller in the adapters and has not run on a GPU (docs/dev-notes.md, twentieth session).
 
 The judge is `rotate_prep_reference`: the kernel's butterflies in the kernel's order in float32 torch, then
 dp4a.prepare_reference; the kernel must give its bytes, sums and scales bit for bit. Behind it,
 reference.signed_block_hadamard (the rotation as a product with H) differs from the butterflies by float32
-rounding only.
+rounding only. `norm_rotate_prep`'s judge is `norm_rotate_prep_reference`: the norm in the kernel's order of
+additions, then `rotate_prep_reference` of the normed rows, all bit for bit.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ from pathlib import Path
 import torch
 
 from bonsai_vllm import nvrtc
-from bonsai_vllm.ternary.kernels.dp4a import (PREP_CUDA_ROTATION, Dp4aActivations, empty_activations, made_by,
-                                              prepare_reference)
+from bonsai_vllm.ternary.kernels.dp4a import (PREP_CUDA_ROTATION, PREP_NORM_ROTATION, Dp4aActivations,
+                                              empty_activations, made_by, prepare_reference)
 
 SOURCE = Path(__file__).with_name("rotate_prep.cu")
 _IN = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -44,8 +51,8 @@ def template(block: int, rows_per_cta: int, in_dtype: torch.dtype) -> str:
 
 
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
-    """NVRTC: the instance `name` as a cubin for sm_<capability>, and its mangled name (host only; once per
-    process)."""
+    """NVRTC: the instance `name` (of either kernel: `template`, `norm_template`) as a cubin for sm_<capability>,
+    and its mangled name (host only; once per process)."""
     return nvrtc.compile_file(SOURCE, name, capability)
 
 
@@ -65,9 +72,14 @@ def applies(device: torch.device | str, block: int, dtype: torch.dtype = torch.b
             and nvrtc.capability(device.index or 0)[0] >= 9)
 
 
+def _float_bits(value: float) -> int:
+    """The bits of `value` as float32, as the int a launch takes."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
 def _norm_bits(block: int) -> int:
     """The float32 bits of 1 / sqrt(block) (what hadamard's kernels multiply by), as the int the launch takes."""
-    return struct.unpack("<i", struct.pack("<f", 1.0 / math.sqrt(block)))[0]
+    return _float_bits(1.0 / math.sqrt(block))
 
 
 def rotate_prep(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out: Dp4aActivations | None = None,
@@ -112,3 +124,123 @@ def butterflies_reference(x: torch.Tensor, signs: torch.Tensor, block: int) -> t
 def rotate_prep_reference(x: torch.Tensor, signs: torch.Tensor, block: int = 1024) -> Dp4aActivations:
     """What `rotate_prep` must give, bit for bit: dp4a.prepare_reference of the butterflies' rotation."""
     return prepare_reference(butterflies_reference(x.reshape(-1, x.shape[-1]), signs, block))
+
+
+# ------------------------------------------------------------------------ the RMSNorm ahead of a layer, fused
+
+NORM_MAX_K = 8192  # a row in one CTA of K / 8 threads (at most 1024)
+
+
+def norm_template(block: int, k: int, in_dtype: torch.dtype, add: bool) -> str:
+    """The C++ name of `norm_rotate_prep`'s instance for rows of K = `k` inputs rotated per `block`, of `in_dtype`,
+    with (`add`) or without the residual add (vLLM's first layer has no residual yet)."""
+    return f"norm_rotate_prep<{block}, {k // block}, {_IN[in_dtype]}, {int(add)}>"
+
+
+def norm_applies(device: torch.device | str, k: int, block: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether `norm_rotate_prep` takes rows of K = `k` of `dtype` rotated per `block` on `device`."""
+    return applies(device, block, dtype) and k % block == 0 and k <= NORM_MAX_K
+
+
+def norm_kernel(block: int, k: int, in_dtype: torch.dtype, add: bool, device: torch.device | str):
+    """The loaded instance on `device`'s GPU (compiled once per process; call it at load, outside a capture)."""
+    index = torch.device(device).index or 0
+    major, minor = nvrtc.capability(index)
+    return nvrtc.load_file(SOURCE, norm_template(block, k, in_dtype, add), f"{major}{minor}", index)
+
+
+def _check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, signs: torch.Tensor,
+                     block: int) -> None:
+    m, k = x.shape
+    if block not in BLOCKS or k % block or k > NORM_MAX_K:
+        raise ValueError(f"norm_rotate_prep: K = {k} is not whole blocks of {block} (blocks {BLOCKS}) up to "
+                         f"{NORM_MAX_K}")
+    if x.dtype not in _IN:
+        raise ValueError(f"norm_rotate_prep: x of {x.dtype}; the kernel reads {sorted(map(str, _IN))}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_rotate_prep: residual {residual.dtype} {list(residual.shape)} is not like x "
+                         f"({x.dtype} {list(x.shape)})")
+    if weight.shape != (k,) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"norm_rotate_prep: weight must be contiguous {x.dtype} [{k}] (x's dtype), got "
+                         f"{weight.dtype} {list(weight.shape)}")
+    if signs.shape != (k,) or signs.dtype != torch.float32 or not signs.is_contiguous():
+        raise ValueError(f"norm_rotate_prep: signs must be contiguous float32 [{k}], got {signs.dtype} "
+                         f"{list(signs.shape)}")
+
+
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """t [M, K] with unit stride along K and 16-byte aligned rows (the kernel's eight-input loads), copied if not."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return t.contiguous()
+    return t
+
+
+def norm_rotate_prep(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     signs: torch.Tensor, block: int = 1024, *, weight_offset: float = 0.0, normed: bool = True,
+                     residual_out: torch.Tensor | None = None, out: Dp4aActivations | None = None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, Dp4aActivations]:
+    """Rows x [M, K] (and `residual` [M, K] of x's dtype, or None) -> (normed [M, K] in x's dtype or None when
+    `normed=False`, the new residual [M, K] or None without one, Dp4aActivations of H(s ⊙ normed) per `block`),
+    one launch: z = x + residual, normed = z / sqrt(mean(z²) + eps) · (weight + weight_offset), weight [K] of x's
+    dtype (the norm's parameter; weight_offset 1.0 for Qwen3.5's Gemma-style norm). `residual_out` may be
+    `residual` itself (updated in place, as vLLM's fused_add_rms_norm does)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    r2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
+    _check_norm_args(x2, r2, weight, signs, block)
+    m, k = x2.shape
+    x2 = _rows16(x2)
+    if r2 is not None:
+        r2 = _rows16(r2)
+        if residual_out is None:
+            residual_out = torch.empty_like(x2)
+        elif (residual_out.shape != x2.shape or residual_out.dtype != x2.dtype or not residual_out.is_contiguous()
+              or residual_out.data_ptr() % 16):
+            raise ValueError("norm_rotate_prep: residual_out must be a contiguous 16-byte aligned tensor like x")
+    if weight.data_ptr() % 16:
+        weight = weight.clone()  # eight weights per load, 16-byte aligned
+    y = torch.empty(m, k, dtype=x2.dtype, device=x2.device) if normed else None
+    act = empty_activations(k, x.device, m) if out is None else out
+    fn = norm_kernel(block, k, x2.dtype, r2 is not None, x.device)
+    fn(grid=(m, 1, 1), block=(k // 8, 1, 1),
+       # pointers the instance never touches are passed as x (a launch argument is a tensor or an int)
+       args=[x2, x2 if r2 is None else r2, x2 if r2 is None else residual_out, x2 if y is None else y,
+             weight, signs, act.xa, act.xr, act.gx, act.gr, act.s, x2.stride(0),
+             0 if r2 is None else r2.stride(0), int(y is not None), _float_bits(weight_offset), _float_bits(eps),
+             _norm_bits(block)])
+    return y, residual_out, made_by(act, PREP_NORM_ROTATION, 1)
+
+
+def norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normed, new residual) of rows x [M, K] as `norm_rotate_prep` computes them, bit for bit: float32, the sum of
+    squares in the kernel's order (eight inputs per thread in turn, then shfl.xor 1 .. 16 inside each warp of 32
+    threads, then the warps in turn), 1 / sqrt(mean + eps) rounded twice; results rounded to x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    m, k = x2.shape
+    z = x2.float() if residual is None else x2.float() + residual.reshape(m, k).float()
+    parts = z.reshape(m, k // 8, 8)
+    ss = torch.zeros(m, k // 8, dtype=torch.float32, device=z.device)
+    for i in range(8):
+        ss = ss + parts[:, :, i] * parts[:, :, i]
+    lanes = ss.reshape(m, k // 256, 32)
+    d = 1
+    while d < 32:
+        lanes = lanes + lanes[:, :, torch.arange(32, device=z.device) ^ d]
+        d *= 2
+    total = torch.zeros(m, dtype=torch.float32, device=z.device)
+    for w in range(k // 256):
+        total = total + lanes[:, w, 0]
+    eps32 = torch.tensor(eps, dtype=torch.float32, device=z.device)
+    rstd = 1.0 / torch.sqrt(total / torch.tensor(float(k), dtype=torch.float32, device=z.device) + eps32)
+    factor = weight.float() + torch.tensor(weight_offset, dtype=torch.float32, device=z.device)
+    normed = ((z * rstd[:, None]) * factor).to(x.dtype)
+    return normed, None if residual is None else z.to(x.dtype)
+
+
+def norm_rotate_prep_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                               signs: torch.Tensor, block: int = 1024, weight_offset: float = 0.0
+                               ) -> tuple[torch.Tensor, torch.Tensor | None, Dp4aActivations]:
+    """What `norm_rotate_prep` must give, bit for bit: `norm_reference`, then `rotate_prep_reference` of the normed
+    rows (as rounded to x's dtype: the fused kernel prepares exactly what it stores)."""
+    normed, res = norm_reference(x, residual, weight, eps, weight_offset)
+    return normed, res, rotate_prep_reference(normed, signs, block)
