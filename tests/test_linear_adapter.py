@@ -133,3 +133,46 @@ def test_weights_replaced_after_loading_are_refused(spec, monkeypatch):
     layer.weight = torch.nn.Parameter(layer.weight.data.clone(), requires_grad=False)
     with pytest.raises(RuntimeError, match="moved after loading"):
         method.apply(layer, torch.randn(1, K).bfloat16())
+
+
+# ---------------------------------------------------------------- BONSAI_FUSED_NORM (adapters/fused_norm.py)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_is_vllms_gemma_norm(dtype):
+    # kernels.linear.rms_norm stands for vLLM's GemmaRMSNorm wherever the fused kernel does not run (and is the
+    # yardstick of the kernel's own reference): it must be that module's arithmetic
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = GemmaRMSNorm(K, eps=1e-6).to(dtype)
+    norm.weight.data.copy_(0.1 * torch.randn(K, generator=gen))
+    x = torch.randn(5, K, generator=gen).to(dtype)
+    residual = (4 * torch.randn(5, K, generator=gen)).to(dtype)
+    want, want_res = norm.forward_native(x.clone(), residual.clone())
+    got, got_res = linear.rms_norm(x, residual, norm.weight.data, 1e-6, weight_offset=1.0)
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    got, none = linear.rms_norm(x, None, norm.weight.data, 1e-6, weight_offset=1.0)
+    assert none is None and torch.equal(got, norm.forward_native(x.clone()))
+
+
+def test_norm_op_is_the_norm_then_the_layer(spec, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from bonsai_vllm.adapters import fused_norm  # noqa: F401  (registers bonsai::norm_ternary_linear)
+
+    method, layer = _layer(spec)
+    gen = torch.Generator().manual_seed(9)
+    weight = (0.1 * torch.randn(K, generator=gen)).bfloat16()
+    for m in (1, 3, 70):
+        x = torch.randn(m, K, generator=gen).bfloat16()
+        residual = torch.randn(m, K, generator=gen).bfloat16()
+        y, new_res = torch.ops.bonsai.norm_ternary_linear(x, residual, weight, 1e-6, 1.0, layer.weight,
+                                                          layer.scales, layer.prism_index)
+        normed, want_res = linear.rms_norm(x, residual, weight, 1e-6, weight_offset=1.0)
+        assert torch.equal(new_res, want_res) and y.shape == (m, N)
+        torch.testing.assert_close(y.float(), _expected(layer, normed), rtol=2e-2, atol=2e-2)
+    # the op checks the weights it is handed, as bonsai::ternary_linear does
+    with pytest.raises(RuntimeError, match="moved after loading"):
+        torch.ops.bonsai.norm_ternary_linear(x, residual, weight, 1e-6, 1.0, layer.weight.clone(), layer.scales,
+                                             layer.prism_index)

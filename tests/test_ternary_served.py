@@ -49,6 +49,17 @@ def test_broken_signs_are_caught(ternary_checkpoints, dense_server, noise_floor)
     assert diff.mean > 5 * mean_tol, f"a wrong sign vector went unnoticed: {diff}"
 
 
+def test_fused_norm_serves_the_same_model(ternary_checkpoints, dense_server, noise_floor):
+    # BONSAI_FUSED_NORM: each decoder layer's post-attention norm and gate_up_proj become one op (on CUDA one
+    # kernel ahead of the GEMV; here the same norm in torch, then the layer). Served, it must still be the model:
+    # a residual not carried on, or gate_up fed the wrong rows, moves every later token.
+    srv, diff = _serve_and_score(ternary_checkpoints["ternary"], dense_server.url, env={"BONSAI_FUSED_NORM": "1"})
+    assert "post_attention_layernorm fused into gate_up_proj" in srv.log_path.read_text(errors="replace")
+    mean_tol, max_tol = tolerance(noise_floor)
+    print(f"\nfused norm vs dense twin: {diff} (tolerance mean {mean_tol:.4f}, max {max_tol:.4f})")
+    assert diff.mean <= mean_tol and diff.max <= max_tol, f"{diff} exceeds tolerance ({mean_tol}, {max_tol})"
+
+
 COUNTING = "Counting up: " + " ".join(str(i) for i in range(1, 30))
 
 

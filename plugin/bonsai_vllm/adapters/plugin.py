@@ -25,9 +25,11 @@ def register() -> None:
     from bonsai_vllm.adapters import quantization  # noqa: F401
     from bonsai_vllm.adapters.allreduce import patch_tp_all_reduce
     from bonsai_vllm.adapters.embedding import install_ssd_embedding
+    from bonsai_vllm.adapters.fused_norm import install_fused_norm
     from bonsai_vllm.adapters.loading import patch_qwen3_5_loader
 
     patch_qwen3_5_loader()
+    install_fused_norm()  # the layers it changes are chosen when built, by BONSAI_FUSED_NORM (off by default)
     patch_tp_all_reduce()
     install_ssd_embedding()  # off unless BONSAI_SSD_EMBED_DIR is set; raises at start-up on a bad export
     register_k3v2_backend()

@@ -3,6 +3,7 @@
     tw = prepare(packed, scales, signs)         # once, in process_weights_after_loading
     y  = ternary_linear(x, tw)                  # every forward: rotates x, then multiplies
     y  = ternary_linear(xr, tw, rotated=True)   # x already rotated (a TP=2 cut block: ternary.partition)
+    y, residual = norm_ternary_linear(x, residual, norm_weight, eps, tw)  # the RMSNorm ahead of the layer too
 
 Dispatch (by batch rows M = x.numel() / K and by device):
 - no Triton for this tensor (CPU without TRITON_INTERPRET=1, or Triton missing): the reference maths,
@@ -102,6 +103,10 @@ class TernaryWeights:
     # unrotated decode rows (the dp4a, stream and mma routes) rotated and prepared by the CUDA C kernel
     # (rotate_prep.cu) rather than Triton's hadamard.rotate_dp4a (prepare's switch; CUDA, sm_90 and later)
     cuda_rotation: bool = False
+    # `norm_ternary_linear`'s decode rows through one CUDA C kernel for the residual add, RMSNorm, rotation and
+    # prep (rotate_prep.norm_rotate_prep) rather than the norm in torch and then the layer (prepare's switch; needs
+    # cuda_rotation and K whole blocks up to rotate_prep.NORM_MAX_K)
+    fused_norm: bool = False
 
     @property
     def out_features(self) -> int:
@@ -119,7 +124,7 @@ class TernaryWeights:
 def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | None = None, *,
             block: int = BLOCK, expand_int8: bool = False, dp4a: bool | None = None,
             mma: bool | None = None, stream: bool | None = None, codes: bool | None = None,
-            cuda_rotation: bool | None = None) -> TernaryWeights:
+            cuda_rotation: bool | None = None, fused_norm: bool | None = None) -> TernaryWeights:
     """Build the layer state once at load time (same device as `packed`).
 
     `expand_int8=True` keeps W8 = code · q (1 byte per weight) for the prefill matmul; leave it False where
@@ -130,7 +135,9 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
     `stream`: 1 to STREAM_MAX_M rows through the streaming CUDA C GEMV (None: BONSAI_STREAM_GEMV); compiled here.
     `codes`: without W8, the int8 route's rows through the GEMM that decodes the codes itself instead of
     expanding W8 per call (None: BONSAI_CODES_GEMM). `cuda_rotation`: unrotated decode rows rotated and
-    prepared by the CUDA C kernel where it applies (None: BONSAI_CUDA_ROTATION); compiled here.
+    prepared by the CUDA C kernel where it applies (None: BONSAI_CUDA_ROTATION); compiled here. `fused_norm`: with
+    cuda_rotation, `norm_ternary_linear`'s decode rows through the kernel that also runs the RMSNorm ahead (None:
+    BONSAI_FUSED_NORM); compiled here.
     """
     n, kw = packed.shape
     k = kw * 16
@@ -190,6 +197,15 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
         if rotate_prep.applies(packed.device, block):
             tw.cuda_rotation = True
             rotate_prep.kernel(block, rotate_prep.ROWS_DEFAULT, torch.bfloat16, packed.device)  # not in a capture
+    if fused_norm is None:
+        fused_norm = settings.get("BONSAI_FUSED_NORM")
+    if fused_norm and tw.cuda_rotation:
+        from bonsai_vllm.ternary.kernels import rotate_prep
+
+        if rotate_prep.norm_applies(packed.device, k, block):
+            tw.fused_norm = True
+            for add in (True, False):  # not in a capture
+                rotate_prep.norm_kernel(block, k, torch.bfloat16, add, packed.device)
     return tw
 
 
@@ -293,19 +309,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
             act = rotate_prep(x2, tw.signs, tw.block)
         else:
             act = rotate_dp4a(x2, tw.signs, tw.block)
-        y = torch.empty(m, tw.out_features, dtype=x.dtype if bias is None else torch.float32, device=x.device)
-        if r.path == "stream":
-            from bonsai_vllm.ternary.kernels import stream_gemv
-
-            stream_gemv.gemv(act, tw.packed, tw.scales, r.config, out=y)  # [M, N]
-        elif r.path == "dp4a":
-            dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
-        else:
-            from bonsai_vllm.ternary.kernels import mma
-
-            mma.gemm(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(x.device), out=y)  # [M, N]
-        if bias is not None:
-            y = (y + bias.float()).to(x.dtype)
+        y = _multiply_prepared(act, tw, r, x.dtype, bias)
     elif r.path == "gemv":
         from bonsai_vllm.ternary.kernels import gemv
         from bonsai_vllm.ternary.kernels.hadamard import block_hadamard, gemv_order
@@ -331,3 +335,62 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
             else:  # the Triton GEMM (an "int_mm" config's tile off CUDA)
                 y = int8mm.int8_gemm(xq, w8, ts, tw.row_scale, bias, x.dtype, config=r.config)
     return y.view(*x.shape[:-1], tw.out_features)
+
+
+def _multiply_prepared(act, tw: TernaryWeights, r: Route, dtype: torch.dtype,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] in `dtype` = the layer applied to prepared rows (dp4a.Dp4aActivations) by the kernel of route `r`
+    ("stream", "dp4a" or "mma"); the kernel stores y in `dtype` itself unless a bias is added after it in float32."""
+    from bonsai_vllm.ternary.kernels import dp4a
+
+    device = act.xa.device
+    y = torch.empty(act.rows, tw.out_features, dtype=dtype if bias is None else torch.float32, device=device)
+    if r.path == "stream":
+        from bonsai_vllm.ternary.kernels import stream_gemv
+
+        stream_gemv.gemv(act, tw.packed, tw.scales, r.config, out=y)  # [M, N]
+    elif r.path == "dp4a":
+        dp4a.gemv(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(device), out=y)  # [M, N]
+    else:
+        from bonsai_vllm.ternary.kernels import mma
+
+        mma.gemm(act, tw.packed, tw.scales, r.config, dp4a.shared_workspace(device), out=y)  # [M, N]
+    return y if bias is None else (y + bias.float()).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """vLLM 0.32's RMSNorm ahead of a layer, in torch (vllm.ir.ops.layernorm's fused_add_rms_norm / rms_norm;
+    weight_offset 1.0 for GemmaRMSNorm, Qwen3.5's): (normed, new residual) of x [..., K], in x's dtype, the sums
+    in float32; without a residual the new residual is None."""
+    z = x.float() if residual is None else x.float() + residual.float()
+    normed = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * (weight.float() + weight_offset)
+    return normed.to(x.dtype), None if residual is None else z.to(x.dtype)
+
+
+def norm_ternary_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        tw: TernaryWeights, *, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [..., N], new residual [..., K]) for an RMSNorm (x + residual, `norm_weight` + `weight_offset`, `eps`)
+    and then this layer on unrotated input: what vLLM's fused_add_rms_norm followed by `ternary_linear` gives,
+    where the normed rows feed nothing but this layer (gate_up_proj behind post_attention_layernorm).
+
+    Decode rows on the stream / dp4a / mma routes of a layer prepared with `fused_norm` take one CUDA C kernel for
+    the add, norm, rotation and prep (rotate_prep.norm_rotate_prep; the normed rows are never stored) and then the
+    layer's kernel; everything else the norm in torch (`rms_norm`) and `ternary_linear`.
+    """
+    k = tw.in_features
+    if x.shape[-1] != k or residual.shape != x.shape:
+        raise ValueError(f"norm_ternary_linear: x {list(x.shape)} and residual {list(residual.shape)} must both be "
+                         f"[..., {k}] (the layer's input width)")
+    x2, r2 = x.reshape(-1, k), residual.reshape(-1, k)
+    r = route(x2.shape[0], tw, usable(x))
+    if (tw.fused_norm and r.path in ("stream", "dp4a", "mma") and norm_weight.dtype == x.dtype
+            and residual.dtype == x.dtype):
+        from bonsai_vllm.ternary.kernels.rotate_prep import norm_rotate_prep
+
+        _, new_residual, act = norm_rotate_prep(x2, r2, norm_weight, eps, tw.signs, tw.block,
+                                                weight_offset=weight_offset, normed=False)
+        y = _multiply_prepared(act, tw, r, x.dtype)
+        return y.view(*x.shape[:-1], tw.out_features), new_residual.view(x.shape)
+    normed, new_residual = rms_norm(x, residual, norm_weight, eps, weight_offset)
+    return ternary_linear(normed, tw), new_residual
