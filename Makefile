@@ -39,7 +39,7 @@ SERVER_PORT ?= $(or $(call dotenv,SERVER_PORT),8000)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-stream bench-layers bench-prefill bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
+.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-stream bench-layers bench-norm bench-prefill bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui \
 	server upstream-key lan-server lan-server-remove bench-scale-out mtp-collect mtp-extract mtp-train
 
@@ -272,6 +272,9 @@ bench-kv: ## check, then time the K3V2 KV-cache kernels (store, grouped decode) 
 
 bench-layers: ## the served ternary layers without W8 at M = 1-128 against bf16 cuBLAS, the byte floor and gemlite (CUDA GPU; pip install gemlite==0.6.0.post2 for the anchor)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.layers --out .cache/bench-layers $(BENCH_ARGS)
+
+bench-norm: ## the RMSNorm fused into the rotation + prep of gate_up / qkv / GDN-in against vLLM's norm, then the layer, at 1-64 rows (CUDA GPU, sm_90+)
+	PYTHONPATH=plugin $(PYTHON) -m benchmarks.norm_fusion --out .cache/bench-norm $(BENCH_ARGS)
 
 gpu-check: ## every kernel the served path launches, at the 27B's TP=2 shapes, against the references (CUDA GPU)
 	PYTHONPATH=plugin $(PYTHON) -m tools.gpu_check --out .cache/gpu-check $(BENCH_ARGS)

@@ -176,6 +176,14 @@ class Checker:
                 # routes they replaced
                 self.guard("linear", f"{name} M={m} BONSAI_DP4A_GEMV=0 BONSAI_MMA_GEMM=0", self._linear_case,
                            name, m, k_full, n, signs, w_full, plans, tws["fma"], linear, signed_block_hadamard)
+            # a norm-fed layer (whole input, not the LM head) with the RMSNorm fused into its prep, as
+            # BONSAI_FUSED_NORM serves gate_up: norm_ternary_linear at the decode rows
+            if ranks == 1 and name != "lm_head":
+                fused = linear.prepare(tws[False][0].packed, tws[False][0].scales, signs, fused_norm=True)
+                if fused.fused_norm:
+                    for m in [m for m in self.sz.decode_rows if m <= linear.MMA_MAX_M]:
+                        self.guard("linear", f"{name} M={m} fused norm", self._norm_linear_case, name, m, k_full,
+                                   n, signs, w_full, fused, linear, signed_block_hadamard)
             del tws, w_full
             self.empty_cache()
 
@@ -210,6 +218,22 @@ class Checker:
         label += f", W8 {'kept' if tws[0].w_int8 is not None else 'not kept'}" + (
             f", {rt.path}" if rt.path in ("dp4a", "mma", "stream") else "")
         self.add("linear", f"{label} M={m}", str(rt), rel_err(y, y_ref), self.bf16_bound(bound))
+
+    def _norm_linear_case(self, name, m, k, n, signs, w_full, tw, linear, signed_block_hadamard):
+        x = self.randn(m, k, dtype=torch.bfloat16)
+        residual = (4 * self.randn(m, k, dtype=torch.float32)).bfloat16()
+        weight = (0.1 * self.randn(k, dtype=torch.float32)).bfloat16()
+        # judged on what vLLM's norm would have handed the layer (bf16 rows), as the plain cases are on x
+        normed, want_res = linear.rms_norm(x, residual, weight, 1e-6, weight_offset=1.0)
+        y_ref = signed_block_hadamard(normed.float(), signs, 1024) @ w_full.t()
+        self.poison_free_memory(m * n * 2)
+        y, new_res = linear.norm_ternary_linear(x, residual, weight, 1e-6, tw, weight_offset=1.0)
+        rt = linear.route(m, tw)
+        bound = 3e-3 if rt.path in ("dp4a", "stream") or (rt.path == "mma" and rt.config.residual) else 1e-2
+        same = torch.equal(new_res, want_res)
+        self.add("linear", f"{name} {k}->{n}, W8 not kept, {rt.path}, RMSNorm fused ahead M={m}", str(rt),
+                 rel_err(y, y_ref) if same else math.inf, self.bf16_bound(bound),
+                 "" if same else "the new residual is not x + residual rounded once")
 
     # ------------------------------------------------------------------------------------- K3V2
     def kv(self) -> None:
@@ -427,6 +451,22 @@ class Checker:
                     for rows in rotate_prep.ROWS_PER_CTA:
                         self.guard("hadamard", f"rotate_prep {m}x{k} {dtype} R={rows}", self._rotate_prep_case, x,
                                    signs, want, rows, rotate_prep, dp4a)
+        # the residual add + RMSNorm fused ahead of the same rotation + prep (norm_rotate_prep, not served yet): the
+        # new residual, the normed rows and the activations bit for bit, at the model's hidden width, with and
+        # without a residual and with the residual updated in place
+        k = self.sz.hidden
+        if not rotate_prep.norm_applies(self.dev, k, 1024):
+            print(f"  norm_rotate_prep: K = {k} is not whole 1024-blocks up to {rotate_prep.NORM_MAX_K}", flush=True)
+            return
+        signs = torch.randint(0, 2, (k,), generator=self.gen, device=self.dev).float() * 2 - 1
+        for m in self.sz.rotate_prep_rows:
+            for dtype in (torch.bfloat16, torch.float16):
+                weight = (0.1 * self.randn(k, dtype=torch.float32)).to(dtype)  # Gemma-style: times 1 + weight
+                x = self.randn(m, k, dtype=dtype)
+                residual = (4 * self.randn(m, k, dtype=torch.float32)).to(dtype)
+                for mode in ("residual", "in place", "no residual"):
+                    self.guard("hadamard", f"norm_rotate_prep {m}x{k} {dtype} {mode}", self._norm_prep_case, x,
+                               residual, weight, signs, mode, rotate_prep, dp4a)
 
     def _rotate_prep_case(self, x, signs, want, rows, rotate_prep, dp4a) -> None:
         m, k = x.shape
@@ -440,6 +480,40 @@ class Checker:
         total = sum(getattr(want, f).numel() for f in fields)
         self.add("hadamard", f"rotate_prep {m}x{k} {str(x.dtype).removeprefix('torch.')} R={rows}",
                  "CUDA C rotation + prep", differ / total, 0.0, "fraction of elements not bit-equal to the reference")
+
+    def _norm_prep_case(self, x, residual, weight, signs, mode, rotate_prep, dp4a) -> None:
+        m, k = x.shape
+        eps = 1e-6
+        res_in = None if mode == "no residual" else residual.clone()
+        want_normed, want_res, want = rotate_prep.norm_rotate_prep_reference(x, res_in, weight, eps, signs, 1024,
+                                                                             weight_offset=1.0)
+        out = dp4a.empty_activations(k, x.device, m)
+        for t in (out.xa, out.xr, out.gx, out.gr):
+            t.fill_(-7)
+        out.s.fill_(float("nan"))
+        res_out = None
+        if mode == "residual":
+            res_out = torch.full_like(x, float("nan"))
+        elif mode == "in place":
+            res_out = res_in
+        normed, new_res, got = rotate_prep.norm_rotate_prep(x, res_in, weight, eps, signs, 1024, weight_offset=1.0,
+                                                            residual_out=res_out, out=out)
+        fields = ("xa", "xr", "gx", "gr", "s")
+        differ = sum(int((getattr(got, f) != getattr(want, f)).sum()) for f in fields)
+        total = sum(getattr(want, f).numel() for f in fields)
+        differ += int((normed != want_normed).sum())
+        total += normed.numel()
+        if want_res is not None:
+            differ += int((new_res != want_res).sum())
+            total += new_res.numel()
+        # beside it, what vLLM's GemmaRMSNorm computes (linear.rms_norm): one rounding apart at most
+        from bonsai_vllm.ternary.kernels.linear import rms_norm
+
+        vllm, _ = rms_norm(x, None if res_in is None else residual, weight, eps, weight_offset=1.0)
+        ulps = ((normed.float() - vllm.float()).abs() / vllm.float().abs().clamp_min(1e-30)).max().item()
+        self.add("hadamard", f"norm_rotate_prep {m}x{k} {str(x.dtype).removeprefix('torch.')} {mode}",
+                 "CUDA C add + RMSNorm + rotation + prep", differ / total, 0.0,
+                 f"fraction not bit-equal to the reference; normed vs vLLM's formula max rel {ulps:.1e}")
 
     # ------------------------------------------------------------------------------------- embeddings
     def embeddings(self) -> None:
