@@ -172,6 +172,12 @@ def test_norm_op_is_the_norm_then_the_layer(spec, monkeypatch):
         normed, want_res = linear.rms_norm(x, residual, weight, 1e-6, weight_offset=1.0)
         assert torch.equal(new_res, want_res) and y.shape == (m, N)
         torch.testing.assert_close(y.float(), _expected(layer, normed), rtol=2e-2, atol=2e-2)
+        # without a residual (vLLM's first decoder layer): the norm alone, then the layer
+        y, empty = torch.ops.bonsai.norm_ternary_linear(x, None, weight, 1e-6, 1.0, layer.weight, layer.scales,
+                                                        layer.prism_index)
+        normed, _ = linear.rms_norm(x, None, weight, 1e-6, weight_offset=1.0)
+        assert empty.numel() == 0
+        torch.testing.assert_close(y.float(), _expected(layer, normed), rtol=2e-2, atol=2e-2)
     # the op checks the weights it is handed, as bonsai::ternary_linear does
     with pytest.raises(RuntimeError, match="moved after loading"):
         torch.ops.bonsai.norm_ternary_linear(x, residual, weight, 1e-6, 1.0, layer.weight.clone(), layer.scales,

@@ -50,11 +50,14 @@ def test_broken_signs_are_caught(ternary_checkpoints, dense_server, noise_floor)
 
 
 def test_fused_norm_serves_the_same_model(ternary_checkpoints, dense_server, noise_floor):
-    # BONSAI_FUSED_NORM: each decoder layer's post-attention norm and gate_up_proj become one op (on CUDA one
-    # kernel ahead of the GEMV; here the same norm in torch, then the layer). Served, it must still be the model:
-    # a residual not carried on, or gate_up fed the wrong rows, moves every later token.
+    # BONSAI_FUSED_NORM: each decoder layer's post-attention norm and gate_up_proj become one op, and on the
+    # full-attention layers the input norm and qkv_proj (on CUDA one kernel ahead of the GEMV; here the same norm in
+    # torch, then the layer). Served, it must still be the model: a residual not carried on, or a layer fed the
+    # wrong rows, moves every later token.
     srv, diff = _serve_and_score(ternary_checkpoints["ternary"], dense_server.url, env={"BONSAI_FUSED_NORM": "1"})
-    assert "post_attention_layernorm fused into gate_up_proj" in srv.log_path.read_text(errors="replace")
+    log = srv.log_path.read_text(errors="replace")
+    assert "RMSNorm fused into the prep of gate_up_proj (BONSAI" in log  # a Gated DeltaNet layer
+    assert "RMSNorm fused into the prep of gate_up_proj and qkv_proj" in log  # the tiny model's attention layer
     mean_tol, max_tol = tolerance(noise_floor)
     print(f"\nfused norm vs dense twin: {diff} (tolerance mean {mean_tol:.4f}, max {max_tol:.4f})")
     assert diff.mean <= mean_tol and diff.max <= max_tol, f"{diff} exceeds tolerance ({mean_tol}, {max_tol})"

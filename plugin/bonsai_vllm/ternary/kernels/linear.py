@@ -368,29 +368,33 @@ def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     return normed.to(x.dtype), None if residual is None else z.to(x.dtype)
 
 
-def norm_ternary_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        tw: TernaryWeights, *, weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [..., N], new residual [..., K]) for an RMSNorm (x + residual, `norm_weight` + `weight_offset`, `eps`)
-    and then this layer on unrotated input: what vLLM's fused_add_rms_norm followed by `ternary_linear` gives,
-    where the normed rows feed nothing but this layer (gate_up_proj behind post_attention_layernorm).
+def norm_ternary_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        tw: TernaryWeights, *, weight_offset: float = 0.0
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y [..., N], new residual [..., K] or None) for an RMSNorm (x + residual, or x alone without one;
+    `norm_weight` + `weight_offset`, `eps`) and then this layer on unrotated input: what vLLM's fused_add_rms_norm
+    (rms_norm) followed by `ternary_linear` gives, where the normed rows feed nothing but this layer (gate_up_proj
+    behind post_attention_layernorm, qkv_proj behind an attention layer's input_layernorm).
 
     Decode rows on the stream / dp4a / mma routes of a layer prepared with `fused_norm` take one CUDA C kernel for
     the add, norm, rotation and prep (rotate_prep.norm_rotate_prep; the normed rows are never stored) and then the
     layer's kernel; everything else the norm in torch (`rms_norm`) and `ternary_linear`.
     """
     k = tw.in_features
-    if x.shape[-1] != k or residual.shape != x.shape:
-        raise ValueError(f"norm_ternary_linear: x {list(x.shape)} and residual {list(residual.shape)} must both be "
-                         f"[..., {k}] (the layer's input width)")
-    x2, r2 = x.reshape(-1, k), residual.reshape(-1, k)
+    if x.shape[-1] != k or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"norm_ternary_linear: x {list(x.shape)} and residual "
+                         f"{None if residual is None else list(residual.shape)} must both be [..., {k}] (the "
+                         "layer's input width)")
+    x2 = x.reshape(-1, k)
     r = route(x2.shape[0], tw, usable(x))
     if (tw.fused_norm and r.path in ("stream", "dp4a", "mma") and norm_weight.dtype == x.dtype
-            and residual.dtype == x.dtype):
+            and (residual is None or residual.dtype == x.dtype)):
         from bonsai_vllm.ternary.kernels.rotate_prep import norm_rotate_prep
 
+        r2 = None if residual is None else residual.reshape(-1, k)
         _, new_residual, act = norm_rotate_prep(x2, r2, norm_weight, eps, tw.signs, tw.block,
                                                 weight_offset=weight_offset, normed=False)
-        y = _multiply_prepared(act, tw, r, x.dtype)
-        return y.view(*x.shape[:-1], tw.out_features), new_residual.view(x.shape)
+        y = _multiply_prepared(act, tw, r, x.dtype).view(*x.shape[:-1], tw.out_features)
+        return y, None if new_residual is None else new_residual.view(x.shape)
     normed, new_residual = rms_norm(x, residual, norm_weight, eps, weight_offset)
     return ternary_linear(normed, tw), new_residual
