@@ -1,14 +1,15 @@
 """The RMSNorm ahead of a layer fused into its activation prep, against vLLM's norm and then the layer (issue 19;
 `make bench-norm`).
 
-    PYTHONPATH=plugin python -m benchmarks.norm_fusion [--out DIR] [--ms 1,2,4,8,16,24,32,48,64] [--layers ...]
+    PYTHONPATH=plugin python -m benchmarks.norm_fusion [--out DIR] [--ms 1,2,4,...,64,128,512] [--layers ...]
 
 On a CUDA GPU (sm_90 or later), for the layers a norm feeds (gate_up, qkv, GDN-in; per-rank TP=2 shapes, W8 not
 kept, unrotated input with the layer's Hadamard signs, as served) and decode rows M, in one run:
 - unfused: vLLM's fused_add_rms_norm (GemmaRMSNorm, as torch.compile makes it inside vLLM: one generated kernel
   here too), then `ternary_linear` on the normed rows (the CUDA C rotation + prep, then the layer's kernel);
 - fused: `norm_ternary_linear` (rotate_prep.norm_rotate_prep: add, norm, rotation and prep in one kernel, then the
-  layer's kernel), which BONSAI_FUSED_NORM serves for gate_up;
+  layer's kernel; from 65 rows, a prefill chunk, the same kernel's add and norm alone, then the layer's route), which
+  BONSAI_FUSED_NORM serves for gate_up and qkv;
 - the norm alone and the fused kernel alone, to show where the difference comes from.
 Each route is checked first: the fused output against the float32 norm and layer (the route's bound), its new
 residual bit for bit against x + residual rounded once. Times are medians of CUDA-graph replays over weight copies
@@ -26,7 +27,7 @@ from benchmarks import kernels as bk
 from benchmarks.layers import BLOCK, BOUND, served_with_signs
 from bonsai_vllm.ternary.reference import signed_block_hadamard
 
-MS = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+MS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 512]
 NORM_FED = ("gate_up", "qkv", "gdn_in")  # the layers whose input is a decoder layer's RMSNorm
 EPS = 1e-6
 
@@ -81,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             def fused(i):
                 return linear.norm_ternary_linear(x, residual, weight, EPS, tws[i], weight_offset=1.0)
 
+            prep = route.path in ("stream", "dp4a", "mma")  # else the add and norm alone
+
             def fused_kernel(i):
                 return rotate_prep.norm_rotate_prep(x, residual, weight, EPS, signs, BLOCK, weight_offset=1.0,
-                                                    normed=False)
+                                                    normed=False, prep=prep)
 
             norm(x, residual, weight)  # compiled outside the capture
             t_unfused = bk.time_graph(unfused, layer.copies, bk.calls_for(30))

@@ -330,13 +330,15 @@ def compile_cuda(capability: int) -> list[Compiled]:
     r = resources(rotate_prep.compile_instance(name, str(capability))[0])
     out.append(Compiled("rotate_prep", capability, rows * linear.BLOCK // 256, 1, r.static_shared, r.registers,
                         r.spill_bytes, name))
-    # the residual add + RMSNorm fused ahead of it (a CTA per row of the hidden width; with and without a residual)
+    # the residual add + RMSNorm fused ahead of it (a CTA per row of the hidden width; with and without a residual,
+    # with the rotation + prep and without, for rows on the other routes)
     k = LAYERS["gate_up"][0]
     for add in (True, False):
-        name = rotate_prep.norm_template(linear.BLOCK, k, torch.bfloat16, add)
-        r = resources(rotate_prep.compile_instance(name, str(capability))[0])
-        out.append(Compiled("norm_rotate_prep", capability, k // 256, 1, r.static_shared, r.registers,
-                            r.spill_bytes, name))
+        for prep in (True, False):
+            name = rotate_prep.norm_template(linear.BLOCK, k, torch.bfloat16, add, prep)
+            r = resources(rotate_prep.compile_instance(name, str(capability))[0])
+            out.append(Compiled("norm_rotate_prep", capability, k // 256, 1, r.static_shared, r.registers,
+                                r.spill_bytes, name))
     return out
 
 

@@ -198,8 +198,8 @@ def test_norm_prep_refuses_what_the_kernel_cannot_take(kern):
 
 
 def test_norm_template_and_where_it_applies(kern, monkeypatch):
-    assert kern.rp.norm_template(1024, 5120, torch.bfloat16, True) == "norm_rotate_prep<1024, 5, 1, 1>"
-    assert kern.rp.norm_template(1024, 2048, torch.float16, False) == "norm_rotate_prep<1024, 2, 2, 0>"
+    assert kern.rp.norm_template(1024, 5120, torch.bfloat16, True) == "norm_rotate_prep<1024, 5, 1, 1, 1>"
+    assert kern.rp.norm_template(1024, 2048, torch.float16, False, False) == "norm_rotate_prep<1024, 2, 2, 0, 0>"
     assert not kern.rp.norm_applies("cpu", 5120, 1024)
     monkeypatch.setattr(kern.rp.nvrtc, "capability", lambda index: (9, 0))
     assert kern.rp.norm_applies("cuda:0", 5120, 1024)

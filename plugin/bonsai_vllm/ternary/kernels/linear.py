@@ -205,7 +205,8 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
         if rotate_prep.norm_applies(packed.device, k, block):
             tw.fused_norm = True
             for add in (True, False):  # not in a capture
-                rotate_prep.norm_kernel(block, k, torch.bfloat16, add, packed.device)
+                for prep in (True, False):
+                    rotate_prep.norm_kernel(block, k, torch.bfloat16, add, packed.device, prep)
     return tw
 
 
@@ -378,7 +379,8 @@ def norm_ternary_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
 
     Decode rows on the stream / dp4a / mma routes of a layer prepared with `fused_norm` take one CUDA C kernel for
     the add, norm, rotation and prep (rotate_prep.norm_rotate_prep; the normed rows are never stored) and then the
-    layer's kernel; everything else the norm in torch (`rms_norm`) and `ternary_linear`.
+    layer's kernel; its other rows the same kernel's add and norm alone and then `ternary_linear`; a layer not
+    prepared so (CPU, the switch off) the norm in torch (`rms_norm`) and `ternary_linear`.
     """
     k = tw.in_features
     if x.shape[-1] != k or (residual is not None and residual.shape != x.shape):
@@ -386,15 +388,16 @@ def norm_ternary_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
                          f"{None if residual is None else list(residual.shape)} must both be [..., {k}] (the "
                          "layer's input width)")
     x2 = x.reshape(-1, k)
-    r = route(x2.shape[0], tw, usable(x))
-    if (tw.fused_norm and r.path in ("stream", "dp4a", "mma") and norm_weight.dtype == x.dtype
-            and (residual is None or residual.dtype == x.dtype)):
+    if tw.fused_norm and norm_weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype):
         from bonsai_vllm.ternary.kernels.rotate_prep import norm_rotate_prep
 
+        r = route(x2.shape[0], tw, usable(x))
+        prep = r.path in ("stream", "dp4a", "mma")
         r2 = None if residual is None else residual.reshape(-1, k)
-        _, new_residual, act = norm_rotate_prep(x2, r2, norm_weight, eps, tw.signs, tw.block,
-                                                weight_offset=weight_offset, normed=False)
-        y = _multiply_prepared(act, tw, r, x.dtype).view(*x.shape[:-1], tw.out_features)
-        return y, None if new_residual is None else new_residual.view(x.shape)
+        normed, new_residual, act = norm_rotate_prep(x2, r2, norm_weight, eps, tw.signs, tw.block,
+                                                     weight_offset=weight_offset, normed=False, prep=prep)
+        y = _multiply_prepared(act, tw, r, x.dtype) if prep else ternary_linear(normed, tw)
+        return (y.view(*x.shape[:-1], tw.out_features),
+                None if new_residual is None else new_residual.view(x.shape))
     normed, new_residual = rms_norm(x, residual, norm_weight, eps, weight_offset)
     return ternary_linear(normed, tw), new_residual

@@ -268,7 +268,8 @@ __device__ __forceinline__ void store8(void* y, long i, const float (&v)[8], con
 // thread in turn, shfl.xor 1 .. 16, the warps in turn: rotate_prep.norm_reference) with 1 / sqrt rounded twice,
 // where torch takes rsqrt, so `normed` may differ from vLLM's by one unit in the last place.
 // A CTA takes one row: NB blocks of BLOCK inputs, NB · BLOCK / 8 threads, thread i holding inputs 8i .. 8i + 7.
-template <int BLOCK, int NB, int IN, int ADD>
+// PREP = 0: the add and norm only (rows a layer takes on another route, e.g. a prefill chunk), normed rows stored.
+template <int BLOCK, int NB, int IN, int ADD, int PREP>
 __global__ void __launch_bounds__(NB * BLOCK / 8)
 norm_rotate_prep(const void* __restrict__ x,    // [M, stride_x] of IN's type
                  const void* residual,          // [M, stride_r] (ADD; else unread), may be residual_out itself
@@ -279,12 +280,12 @@ norm_rotate_prep(const void* __restrict__ x,    // [M, stride_x] of IN's type
                  u32* __restrict__ xa, u32* __restrict__ xr, int* __restrict__ gx, int* __restrict__ gr,
                  float* __restrict__ sc,        // the Dp4aActivations, as rotate_prep
                  int stride_x, int stride_r,
-                 int store_normed,  // 0: the normed rows are not stored (only the activations are needed)
+                 int store_normed,  // 0: the normed rows are not stored (only the activations are needed; PREP)
                  int offset_bits,  // the float32 bits of what the weight is offset by (1 for a Gemma-style norm)
                  int eps_bits,    // the float32 bits of eps
                  int norm_bits) { // the float32 bits of 1 / sqrt(BLOCK)
 #if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
+  if (PREP) asm volatile("griddepcontrol.launch_dependents;");
 #endif
   constexpr int TPB = BLOCK / 8, THREADS = NB * TPB, WARPS = THREADS / 32, K = NB * BLOCK;
   static_assert(THREADS <= 1024, "a row in one CTA");
@@ -324,7 +325,8 @@ norm_rotate_prep(const void* __restrict__ x,    // [M, stride_x] of IN's type
       v[i] = round_to<IN>(mul_rn(mul_rn(v[i], rstd), factor), bits[i]);
     }
   }
-  if (store_normed) store8<IN>(normed, (long)m * K + col, v, bits);
+  if (store_normed || !PREP) store8<IN>(normed, (long)m * K + col, v, bits);
+  if (!PREP) return;
   apply_signs(v, signs, col);
   rotate_block<BLOCK, NB>(v, threadIdx.x / TPB, threadIdx.x % TPB, lane, __int_as_float(norm_bits));
   prep_store(v, true, m, K, col, threadIdx.x % TPB, lane, xa, xr, gx, gr, sc);

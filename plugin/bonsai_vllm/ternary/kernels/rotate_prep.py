@@ -131,10 +131,11 @@ def rotate_prep_reference(x: torch.Tensor, signs: torch.Tensor, block: int = 102
 NORM_MAX_K = 8192  # a row in one CTA of K / 8 threads (at most 1024)
 
 
-def norm_template(block: int, k: int, in_dtype: torch.dtype, add: bool) -> str:
+def norm_template(block: int, k: int, in_dtype: torch.dtype, add: bool, prep: bool = True) -> str:
     """The C++ name of `norm_rotate_prep`'s instance for rows of K = `k` inputs rotated per `block`, of `in_dtype`,
-    with (`add`) or without the residual add (vLLM's first layer has no residual yet)."""
-    return f"norm_rotate_prep<{block}, {k // block}, {_IN[in_dtype]}, {int(add)}>"
+    with (`add`) or without the residual add (vLLM's first layer has no residual yet), with (`prep`) or without the
+    rotation + prep after the norm."""
+    return f"norm_rotate_prep<{block}, {k // block}, {_IN[in_dtype]}, {int(add)}, {int(prep)}>"
 
 
 def norm_applies(device: torch.device | str, k: int, block: int, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -142,11 +143,11 @@ def norm_applies(device: torch.device | str, k: int, block: int, dtype: torch.dt
     return applies(device, block, dtype) and k % block == 0 and k <= NORM_MAX_K
 
 
-def norm_kernel(block: int, k: int, in_dtype: torch.dtype, add: bool, device: torch.device | str):
+def norm_kernel(block: int, k: int, in_dtype: torch.dtype, add: bool, device: torch.device | str, prep: bool = True):
     """The loaded instance on `device`'s GPU (compiled once per process; call it at load, outside a capture)."""
     index = torch.device(device).index or 0
     major, minor = nvrtc.capability(index)
-    return nvrtc.load_file(SOURCE, norm_template(block, k, in_dtype, add), f"{major}{minor}", index)
+    return nvrtc.load_file(SOURCE, norm_template(block, k, in_dtype, add, prep), f"{major}{minor}", index)
 
 
 def _check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, signs: torch.Tensor,
@@ -177,13 +178,14 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
 
 def norm_rotate_prep(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      signs: torch.Tensor, block: int = 1024, *, weight_offset: float = 0.0, normed: bool = True,
-                     residual_out: torch.Tensor | None = None, out: Dp4aActivations | None = None
-                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, Dp4aActivations]:
+                     prep: bool = True, residual_out: torch.Tensor | None = None, out: Dp4aActivations | None = None
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, Dp4aActivations | None]:
     """Rows x [M, K] (and `residual` [M, K] of x's dtype, or None) -> (normed [M, K] in x's dtype or None when
     `normed=False`, the new residual [M, K] or None without one, Dp4aActivations of H(s ⊙ normed) per `block`),
     one launch: z = x + residual, normed = z / sqrt(mean(z²) + eps) · (weight + weight_offset), weight [K] of x's
     dtype (the norm's parameter; weight_offset 1.0 for Qwen3.5's Gemma-style norm). `residual_out` may be
-    `residual` itself (updated in place, as vLLM's fused_add_rms_norm does)."""
+    `residual` itself (updated in place, as vLLM's fused_add_rms_norm does). `prep=False`: the add and norm alone
+    (the normed rows always stored, no activations: None), for rows that the layer takes on another route."""
     x2 = x.reshape(-1, x.shape[-1])
     r2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
     _check_norm_args(x2, r2, weight, signs, block)
@@ -198,16 +200,16 @@ def norm_rotate_prep(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
             raise ValueError("norm_rotate_prep: residual_out must be a contiguous 16-byte aligned tensor like x")
     if weight.data_ptr() % 16:
         weight = weight.clone()  # eight weights per load, 16-byte aligned
-    y = torch.empty(m, k, dtype=x2.dtype, device=x2.device) if normed else None
-    act = empty_activations(k, x.device, m) if out is None else out
-    fn = norm_kernel(block, k, x2.dtype, r2 is not None, x.device)
+    y = torch.empty(m, k, dtype=x2.dtype, device=x2.device) if normed or not prep else None
+    act = None if not prep else empty_activations(k, x.device, m) if out is None else out
+    fn = norm_kernel(block, k, x2.dtype, r2 is not None, x.device, prep)
     fn(grid=(m, 1, 1), block=(k // 8, 1, 1),
        # pointers the instance never touches are passed as x (a launch argument is a tensor or an int)
        args=[x2, x2 if r2 is None else r2, x2 if r2 is None else residual_out, x2 if y is None else y,
-             weight, signs, act.xa, act.xr, act.gx, act.gr, act.s, x2.stride(0),
-             0 if r2 is None else r2.stride(0), int(y is not None), _float_bits(weight_offset), _float_bits(eps),
-             _norm_bits(block)])
-    return y, residual_out, made_by(act, PREP_NORM_ROTATION, 1)
+             weight, signs, *([act.xa, act.xr, act.gx, act.gr, act.s] if act is not None else [x2] * 5),
+             x2.stride(0), 0 if r2 is None else r2.stride(0), int(y is not None), _float_bits(weight_offset),
+             _float_bits(eps), _norm_bits(block)])
+    return y, residual_out, None if act is None else made_by(act, PREP_NORM_ROTATION, 1)
 
 
 def norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
