@@ -103,9 +103,9 @@ class TernaryWeights:
     # unrotated decode rows (the dp4a, stream and mma routes) rotated and prepared by the CUDA C kernel
     # (rotate_prep.cu) rather than Triton's hadamard.rotate_dp4a (prepare's switch; CUDA, sm_90 and later)
     cuda_rotation: bool = False
-    # `norm_ternary_linear`'s decode rows through one CUDA C kernel for the residual add, RMSNorm, rotation and
-    # prep (rotate_prep.norm_rotate_prep) rather than the norm in torch and then the layer (prepare's switch; needs
-    # cuda_rotation and K whole blocks up to rotate_prep.NORM_MAX_K)
+    # `norm_ternary_linear` through rotate_prep.norm_rotate_prep: decode rows' residual add, RMSNorm, rotation and
+    # prep in one CUDA C kernel, other rows' add and norm (prepare's switch; needs cuda_rotation and K whole
+    # blocks up to rotate_prep.NORM_MAX_K); False: the norm in torch, then the layer
     fused_norm: bool = False
 
     @property
