@@ -12,8 +12,8 @@ sm_90 and later only (`applies`).
 
 The second kernel, `norm_rotate_prep`, first does what vLLM's fused_add_rms_norm does ahead of a layer (residual
 add, RMSNorm) and then the rotation + prep of its output, so that a layer fed by a norm (qkv, GDN-in, gate_up)
-needs one kernel ahead of its GEMV instead of two (issue 19: a kernel boundary cost ~1.1 µs on the H200). It is not
-served yet: it has no caller in the adapters and has not run on a GPU (docs/dev-notes.md, twentieth session).
+needs one kernel ahead of its GEMV instead of two (issue 19: a kernel boundary cost ~1.1 µs on the H200). It is
+served only with BONSAI_FUSED_NORM (off: it has not run on a GPU yet; docs/dev-notes.md, twentieth session).
 
 The judge is `rotate_prep_reference`: the kernel's butterflies in the kernel's order in float32 torch, then
 dp4a.prepare_reference; the kernel must give its bytes, sums and scales bit for bit. Behind it,
@@ -82,6 +82,13 @@ def _norm_bits(block: int) -> int:
     return _float_bits(1.0 / math.sqrt(block))
 
 
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """t [M, K] with unit stride along K and 16-byte aligned rows (the kernel's eight-input loads), copied if not."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        return t.contiguous()
+    return t
+
+
 def rotate_prep(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out: Dp4aActivations | None = None,
                 rows_per_cta: int | None = None) -> Dp4aActivations:
     """Rows x [K] or [M, K] -> dp4a.Dp4aActivations of H(s ⊙ x) per `block`, one launch. `signs` float32 [K]
@@ -94,8 +101,7 @@ def rotate_prep(x: torch.Tensor, signs: torch.Tensor, block: int = 1024, *, out:
         raise ValueError(f"rotate_prep: x of {x2.dtype}; the kernel reads {sorted(map(str, _IN))}")
     if signs.shape != (k,) or signs.dtype != torch.float32 or not signs.is_contiguous():
         raise ValueError(f"rotate_prep: signs must be contiguous float32 [{k}], got {signs.dtype} {list(signs.shape)}")
-    if x2.stride(-1) != 1 or x2.data_ptr() % 16 or (x2.stride(0) * x2.element_size()) % 16:
-        x2 = x2.contiguous()  # the kernel loads eight inputs at a time, 16-byte aligned
+    x2 = _rows16(x2)
     rows = ROWS_DEFAULT if rows_per_cta is None else rows_per_cta
     if rows not in ROWS_PER_CTA:
         raise ValueError(f"rotate_prep: {rows} rows per CTA; the kernel takes {ROWS_PER_CTA}")
@@ -167,13 +173,6 @@ def _check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     if signs.shape != (k,) or signs.dtype != torch.float32 or not signs.is_contiguous():
         raise ValueError(f"norm_rotate_prep: signs must be contiguous float32 [{k}], got {signs.dtype} "
                          f"{list(signs.shape)}")
-
-
-def _rows16(t: torch.Tensor) -> torch.Tensor:
-    """t [M, K] with unit stride along K and 16-byte aligned rows (the kernel's eight-input loads), copied if not."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-        return t.contiguous()
-    return t
 
 
 def norm_rotate_prep(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
