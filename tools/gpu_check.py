@@ -454,9 +454,9 @@ class Checker:
                     for rows in rotate_prep.ROWS_PER_CTA:
                         self.guard("hadamard", f"rotate_prep {m}x{k} {dtype} R={rows}", self._rotate_prep_case, x,
                                    signs, want, rows, rotate_prep, dp4a)
-        # the residual add + RMSNorm fused ahead of the same rotation + prep (norm_rotate_prep, not served yet): the
-        # new residual, the normed rows and the activations bit for bit, at the model's hidden width, with and
-        # without a residual and with the residual updated in place
+        # the residual add + RMSNorm fused ahead of the same rotation + prep (norm_rotate_prep, BONSAI_FUSED_NORM):
+        # the new residual, the normed rows and the activations bit for bit, at the model's hidden width, with and
+        # without a residual; the add and norm alone (a CTA per row) also with the residual updated in place
         k = self.sz.hidden
         if not rotate_prep.norm_applies(self.dev, k, 1024):
             print(f"  norm_rotate_prep: K = {k} is not whole 1024-blocks up to {rotate_prep.NORM_MAX_K}", flush=True)
@@ -499,7 +499,9 @@ class Checker:
             res_out = torch.full_like(x, float("nan"))
         elif mode == "in place":
             res_out = res_in
-        prep = mode != "norm only"  # the add and norm alone: the instance for rows on the other routes
+        # the add and norm alone: the instance for rows on the other routes (the only one that may update the
+        # residual in place: the prep's CTAs each read the whole row)
+        prep = mode not in ("norm only", "in place")
         normed, new_res, got = rotate_prep.norm_rotate_prep(x, res_in, weight, eps, signs, 1024, weight_offset=1.0,
                                                             residual_out=res_out, out=out if prep else None,
                                                             prep=prep)

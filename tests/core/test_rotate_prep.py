@@ -195,6 +195,11 @@ def test_norm_prep_refuses_what_the_kernel_cannot_take(kern):
         kern.rp.norm_rotate_prep(x, None, w.float(), 1e-6, signs)
     with pytest.raises(ValueError, match="signs"):
         kern.rp.norm_rotate_prep(x, None, w, 1e-6, signs[:1024])
+    # with the prep, each block's CTA reads the whole row: the new residual cannot overwrite x or the residual
+    residual = torch.zeros(2, k, dtype=bf16)
+    for out in (residual, x):
+        with pytest.raises(ValueError, match="must not overlap"):
+            kern.rp.norm_rotate_prep(x, residual, w, 1e-6, signs, residual_out=out)
 
 
 def test_norm_template_and_where_it_applies(kern, monkeypatch):

@@ -37,7 +37,7 @@ from bonsai_vllm.triton_runtime import early_launch, interpreting, require, tl, 
 
 GROUP = 128  # scale group along K (the checkpoint's)
 PREP_DP4A, PREP_ROTATION, PREP_CUDA_ROTATION = "prepare", "rotation", "cuda_rotation"  # Dp4aActivations.prep
-PREP_NORM_ROTATION = "norm_rotation"  # rotate_prep.norm_rotate_prep: RMSNorm + rotation + prep, a CTA per row
+PREP_NORM_ROTATION = "norm_rotation"  # rotate_prep.norm_rotate_prep: RMSNorm + rotation + prep, a CTA per block
 INV127 = 1.0 / 127  # int8 scale = max |x| · INV127, in float32 on both sides
 
 

@@ -187,11 +187,17 @@ __device__ __forceinline__ void prep_store(const float (&v)[8], bool live, int m
   xr[w + (2 * h + 1) * KW] = lr.y;
 }
 
-// Eight inputs times their signs (signs 16-byte aligned at col).
-__device__ __forceinline__ void apply_signs(float (&v)[8], const float* __restrict__ signs, int col) {
+// The eight signs at col (16-byte aligned).
+__device__ __forceinline__ void load_signs(const float* __restrict__ signs, int col, float (&s)[8]) {
   const float4 a = reinterpret_cast<const float4*>(signs + col)[0];
   const float4 b = reinterpret_cast<const float4*>(signs + col)[1];
-  const float s[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  s[0] = a.x, s[1] = a.y, s[2] = a.z, s[3] = a.w, s[4] = b.x, s[5] = b.y, s[6] = b.z, s[7] = b.w;
+}
+
+// Eight inputs times their signs (signs 16-byte aligned at col).
+__device__ __forceinline__ void apply_signs(float (&v)[8], const float* __restrict__ signs, int col) {
+  float s[8];
+  load_signs(signs, col, s);
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], s[i]);  // exact
 }
@@ -265,14 +271,22 @@ __device__ __forceinline__ void store8(void* y, long i, const float (&v)[8], con
 //   norm, whose checkpoint stores weight - 1; the sum in float32, as vLLM's `self.weight.float() + 1.0`),
 //   then what rotate_prep gives of `normed`.
 // vLLM's fused_add_rms_norm computes the same formula; the sum of squares here goes in a fixed order (eight per
-// thread in turn, shfl.xor 1 .. 16, the warps in turn: rotate_prep.norm_reference) with 1 / sqrt rounded twice,
-// where torch takes rsqrt, so `normed` may differ from vLLM's by one unit in the last place.
-// A CTA takes one row: NB blocks of BLOCK inputs, NB · BLOCK / 8 threads, thread i holding inputs 8i .. 8i + 7.
-// PREP = 0: the add and norm only (rows a layer takes on another route, e.g. a prefill chunk), normed rows stored.
+// "row thread" in turn, shfl.xor 1 .. 16, the row's warps in turn: rotate_prep.norm_reference) with 1 / sqrt rounded
+// twice, where torch takes rsqrt, so `normed` may differ from vLLM's by one unit in the last place. Row thread i
+// holds inputs 8i .. 8i + 7 of the row, K / 8 of them, in K / 256 "row warps".
+// Layout:
+// - PREP = 1: a CTA per block of a row (blockIdx.x the block, blockIdx.y the row), BLOCK / 8 threads, as rotate_prep
+//   with R = 1. Each CTA sums the squares of the whole row itself (its thread t plays row threads t, t + TPB, ...,
+//   reading the row from L2) and normalises, rotates and prepares its own block. (The first build ran a row in one
+//   CTA of K / 8 threads: 4.8 µs alone at one row on the H200, its 20 warps issuing on one SM's four schedulers,
+//   where the norm and the rotation + prep apart took 2.3 + 2.2.) So residual_out must not overlap residual or x:
+//   another CTA may still read what this one writes.
+// - PREP = 0: the add and norm only (rows a layer takes on another route, e.g. a prefill chunk): a CTA per row of
+//   K / 8 threads, the row read once, normed rows stored; residual_out may be residual itself.
 template <int BLOCK, int NB, int IN, int ADD, int PREP>
-__global__ void __launch_bounds__(NB * BLOCK / 8)
+__global__ void __launch_bounds__(PREP ? BLOCK / 8 : NB * BLOCK / 8)
 norm_rotate_prep(const void* __restrict__ x,    // [M, stride_x] of IN's type
-                 const void* residual,          // [M, stride_r] (ADD; else unread), may be residual_out itself
+                 const void* residual,          // [M, stride_r] (ADD; else unread); PREP = 0: may be residual_out
                  void* residual_out,            // [M, K] (ADD; else unwritten)
                  void* __restrict__ normed,     // [M, K] (store_normed; else unwritten)
                  const void* __restrict__ w,    // [K] of IN's type: the norm's weight
@@ -287,47 +301,73 @@ norm_rotate_prep(const void* __restrict__ x,    // [M, stride_x] of IN's type
 #if __CUDA_ARCH__ >= 900
   if (PREP) asm volatile("griddepcontrol.launch_dependents;");
 #endif
-  constexpr int TPB = BLOCK / 8, THREADS = NB * TPB, WARPS = THREADS / 32, K = NB * BLOCK;
-  static_assert(THREADS <= 1024, "a row in one CTA");
-  const int m = blockIdx.x, lane = threadIdx.x & 31, col = 8 * threadIdx.x;
-  float v[8];
+  constexpr int TPB = BLOCK / 8, K = NB * BLOCK, ROW_THREADS = K / 8, ROW_WARPS = ROW_THREADS / 32;
+  constexpr int THREADS = PREP ? TPB : ROW_THREADS, VT = ROW_THREADS / THREADS;  // row threads per thread
+  static_assert(ROW_THREADS <= 1024 && THREADS % 32 == 0, "a row in one CTA, whole warps");
+  const int m = PREP ? blockIdx.y : blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int col = 8 * ((PREP ? blockIdx.x * TPB : 0) + threadIdx.x);  // this thread's own inputs (its block's)
+  // Everything is loaded up front: the row for the sum of squares, then this thread's own inputs, the norm's
+  // weight and the signs beside them (loaded where they are used, each would add a memory latency after the barrier).
+  float part[VT];  // the sum of squares of each of this thread's row threads
+  float v[8], f[8], s[8];
   u16 bits[8];
-  load8<IN>(x, (long)m * stride_x + col, v);
+#pragma unroll
+  for (int j = 0; j < VT; ++j) {
+    const int c = 8 * (j * THREADS + threadIdx.x);
+    float z[8];
+    load8<IN>(x, (long)m * stride_x + c, z);
+    if (ADD) {
+      float q[8];
+      load8<IN>(residual, (long)m * stride_r + c, q);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) z[i] = add_rn(z[i], q[i]);
+    }
+    part[j] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) part[j] = add_rn(part[j], mul_rn(z[i], z[i]));
+    if (VT == 1) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = z[i];
+    }
+  }
+  if (VT > 1) {  // this CTA's own block once more (L1), as the loop computed it
+    load8<IN>(x, (long)m * stride_x + col, v);
+    if (ADD) {
+      float q[8];
+      load8<IN>(residual, (long)m * stride_r + col, q);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = add_rn(v[i], q[i]);
+    }
+  }
+  load8<IN>(w, col, f);
+  if (PREP) load_signs(signs, col, s);
   if (ADD) {
-    float q[8];
-    load8<IN>(residual, (long)m * stride_r + col, q);
     float z[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      v[i] = add_rn(v[i], q[i]);
-      z[i] = round_to<IN>(v[i], bits[i]);
-    }
+    for (int i = 0; i < 8; ++i) z[i] = round_to<IN>(v[i], bits[i]);
     store8<IN>(residual_out, (long)m * K + col, z, bits);
   }
-  float ss = 0.f;
+  __shared__ float warp_sums[ROW_WARPS];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) ss = add_rn(ss, mul_rn(v[i], v[i]));
+  for (int j = 0; j < VT; ++j) {
 #pragma unroll
-  for (int d = 1; d < 32; d *= 2) ss = add_rn(ss, __shfl_xor_sync(0xffffffffu, ss, d));
-  __shared__ float warp_sums[WARPS];
-  if (lane == 0) warp_sums[threadIdx.x / 32] = ss;
+    for (int d = 1; d < 32; d *= 2) part[j] = add_rn(part[j], __shfl_xor_sync(0xffffffffu, part[j], d));
+    if (lane == 0) warp_sums[j * (THREADS / 32) + warp] = part[j];  // row warp (j · THREADS + threadIdx.x) / 32
+  }
   __syncthreads();
   float total = 0.f;
 #pragma unroll
-  for (int i = 0; i < WARPS; ++i) total = add_rn(total, warp_sums[i]);
+  for (int i = 0; i < ROW_WARPS; ++i) total = add_rn(total, warp_sums[i]);
   const float rstd = div_rn(1.f, __fsqrt_rn(add_rn(div_rn(total, (float)K), __int_as_float(eps_bits))));
-  {
-    float f[8];
-    load8<IN>(w, col, f);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float factor = add_rn(f[i], __int_as_float(offset_bits));  // vLLM: weight.float() + 1.0
-      v[i] = round_to<IN>(mul_rn(mul_rn(v[i], rstd), factor), bits[i]);
-    }
+  for (int i = 0; i < 8; ++i) {
+    const float factor = add_rn(f[i], __int_as_float(offset_bits));  // vLLM: weight.float() + 1.0
+    v[i] = round_to<IN>(mul_rn(mul_rn(v[i], rstd), factor), bits[i]);
   }
   if (store_normed || !PREP) store8<IN>(normed, (long)m * K + col, v, bits);
   if (!PREP) return;
-  apply_signs(v, signs, col);
-  rotate_block<BLOCK, NB>(v, threadIdx.x / TPB, threadIdx.x % TPB, lane, __int_as_float(norm_bits));
-  prep_store(v, true, m, K, col, threadIdx.x % TPB, lane, xa, xr, gx, gr, sc);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = mul_rn(v[i], s[i]);  // exact
+  rotate_block<BLOCK, 1>(v, 0, threadIdx.x, lane, __int_as_float(norm_bits));
+  prep_store(v, true, m, K, col, threadIdx.x, lane, xa, xr, gx, gr, sc);
 }

@@ -12,8 +12,9 @@ sm_90 and later only (`applies`).
 
 The second kernel, `norm_rotate_prep`, first does what vLLM's fused_add_rms_norm does ahead of a layer (residual
 add, RMSNorm) and then the rotation + prep of its output, so that a layer fed by a norm (qkv, GDN-in, gate_up)
-needs one kernel ahead of its GEMV instead of two (issue 19: a kernel boundary cost ~1.1 µs on the H200). It is
-served only with BONSAI_FUSED_NORM (off: it has not run on a GPU yet; docs/dev-notes.md, twentieth session).
+needs one kernel ahead of its GEMV instead of two (issue 19: a kernel boundary cost ~1.1 µs on the H200). A CTA
+per 1024-block of each row, as rotate_prep, each summing the squares of the whole row itself. Served with
+BONSAI_FUSED_NORM (on by default; docs/dev-notes.md, twenty-first session).
 
 The judge is `rotate_prep_reference`: the kernel's butterflies in the kernel's order in float32 torch, then
 dp4a.prepare_reference; the kernel must give its bytes, sums and scales bit for bit. Behind it,
@@ -175,6 +176,12 @@ def _check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
                          f"{list(signs.shape)}")
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of contiguous tensors a and b overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def norm_rotate_prep(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      signs: torch.Tensor, block: int = 1024, *, weight_offset: float = 0.0, normed: bool = True,
                      prep: bool = True, residual_out: torch.Tensor | None = None, out: Dp4aActivations | None = None
@@ -182,8 +189,9 @@ def norm_rotate_prep(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     """Rows x [M, K] (and `residual` [M, K] of x's dtype, or None) -> (normed [M, K] in x's dtype or None when
     `normed=False`, the new residual [M, K] or None without one, Dp4aActivations of H(s ⊙ normed) per `block`),
     one launch: z = x + residual, normed = z / sqrt(mean(z²) + eps) · (weight + weight_offset), weight [K] of x's
-    dtype (the norm's parameter; weight_offset 1.0 for Qwen3.5's Gemma-style norm). `residual_out` may be
-    `residual` itself (updated in place, as vLLM's fused_add_rms_norm does). `prep=False`: the add and norm alone
+    dtype (the norm's parameter; weight_offset 1.0 for Qwen3.5's Gemma-style norm). With `prep=False`,
+    `residual_out` may be `residual` itself (updated in place, as vLLM's fused_add_rms_norm does); with prep it must
+    not overlap x or residual. `prep=False`: the add and norm alone
     (the normed rows always stored, no activations: None), for rows that the layer takes on another route."""
     x2 = x.reshape(-1, x.shape[-1])
     r2 = None if residual is None else residual.reshape(-1, residual.shape[-1])
@@ -197,12 +205,18 @@ def norm_rotate_prep(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         elif (residual_out.shape != x2.shape or residual_out.dtype != x2.dtype or not residual_out.is_contiguous()
               or residual_out.data_ptr() % 16):
             raise ValueError("norm_rotate_prep: residual_out must be a contiguous 16-byte aligned tensor like x")
+        elif prep and any(_overlap(residual_out, t) for t in (x2, r2)):
+            # a CTA per block: another CTA of the row may still be reading what this one writes
+            raise ValueError("norm_rotate_prep: with prep=True, residual_out must not overlap x or residual (the "
+                             "row's CTAs each read the whole row); pass a separate tensor, or prep=False to update "
+                             "the residual in place")
     if weight.data_ptr() % 16:
         weight = weight.clone()  # eight weights per load, 16-byte aligned
     y = torch.empty(m, k, dtype=x2.dtype, device=x2.device) if normed or not prep else None
     act = None if not prep else empty_activations(k, x.device, m) if out is None else out
     fn = norm_kernel(block, k, x2.dtype, r2 is not None, x.device, prep)
-    fn(grid=(m, 1, 1), block=(k // 8, 1, 1),
+    # prep: a CTA per block of each row; else a CTA per row
+    fn(grid=(k // block, m, 1) if prep else (m, 1, 1), block=(block // 8 if prep else k // 8, 1, 1),
        # pointers the instance never touches are passed as x (a launch argument is a tensor or an int)
        args=[x2, x2 if r2 is None else r2, x2 if r2 is None else residual_out, x2 if y is None else y,
              weight, signs, *([act.xa, act.xr, act.gx, act.gr, act.s] if act is not None else [x2] * 5),
