@@ -265,7 +265,8 @@ def reserve(device: torch.device | str, n: int, k: int, config: MmaConfig, rows:
     shared_workspace(device).get(splits * rows * n if splits > 1 else 1, n // config.rows_per_cta())
 
 
-def early_pays(grid: int, rows: int, k: int, sms: int, prep: str = PREP_DP4A, prep_rows: int = 1) -> bool:
+def early_pays(grid: int, rows: int, k: int, sms: int, prep: str = PREP_DP4A, prep_rows: int = 1,
+               ks: int = 1) -> bool:
     """Whether a grid of `grid` CTAs for `rows` batch rows of K = `k` inputs gains from starting while the prep
     ahead of it runs: `prep` the kernel that prepares its activations (Dp4aActivations.prep), `prep_rows` the rows
     each of its programs takes. Every prep runs one program per 1024 inputs of each row or row group, P in all,
@@ -277,20 +278,24 @@ def early_pays(grid: int, rows: int, k: int, sms: int, prep: str = PREP_DP4A, pr
       faster; 4-6 % slower at gate_up's 32 rows and down_proj's 20-24), or below that where the grid fits beside
       the prep's rows (o_proj / GDN-out's 80 CTAs 3-7 % faster to 48 rows, qkv's 112 to 20) unless the prep's
       programs run more than two per SM (down_proj's 80 CTAs at 40 rows: 1.34x slower early);
-    - behind the CUDA C rotation + prep (rotate_prep.cu, one row per CTA: served on the other five layers), whose
-      CTAs are done in about 2 µs: early from two CTAs per SM (gate_up, 1-3 % faster at 4-64 rows) or while P is
-      at most 1.3 CTAs per SM (3-6 % faster: qkv / GDN-in to 32 rows, o_proj / GDN-out to 56); above that early
-      lost 1.2-1.4x (qkv at 48 rows: 35.6 µs against 25.6);
+    - behind the CUDA C rotation + prep (rotate_prep.cu, one row per CTA: served on the other five layers) and
+      behind the RMSNorm + rotation + prep (rotate_prep.norm_rotate_prep, a CTA per block of each row too), whose
+      CTAs are done in about 2 µs (refitted in the twenty-first session on an H100 sweep of all five layers at
+      3-64 rows, both preps; an H200 run of the same day agreed at the ten points it measured): early from 2.25
+      CTAs per SM (the split-K grids at 3-8 rows, 3-12 % faster), where the grid and P fit in one wave side by
+      side (o_proj / GDN-out to 16 rows, 9-11 %), or with four warps along K (`ks`, 17-32 rows: 5-9 %) while P is
+      at most 1.3 per SM. Elsewhere early lost up to 1.68x (qkv / GDN-in at 20-24 rows, gate_up's 272 CTAs
+      1.1-1.5x at 10-32 rows); the nineteenth session had measured it winning there on the H200 (gate_up at 12-64
+      rows, qkv to 32), and the tree of today no longer does (docs/dev-notes.md, twenty-first session);
     - behind the Triton rotation + prep (hadamard.rotate_dp4a, where the CUDA C one is switched off), whose
       programs run longer: where the grid fits beside them (o_proj / GDN-out's 80 CTAs: 11-17 % faster), or from
       two CTAs per SM while they are few (5-11 %) or many (gate_up from 56 rows, one row per program: 1.5 %). In
       between, early lost up to 1.52x (gate_up at 16 rows, one row per program: 40.7 µs against 26.8), and from
       one CTA per SM down up to 1.8x.
-    - behind the RMSNorm + rotation + prep (rotate_prep.norm_rotate_prep, a CTA of K / 8 threads per row: as many
-      threads as the CUDA C rotation's P CTAs): taken as the CUDA C rotation's rule, never measured."""
+    `ks`: the kernel's warps along K (MmaConfig.ks)."""
     programs = -(-rows // max(prep_rows, 1)) * -(-k // 1024)  # P: the prep's programs
     if prep in (PREP_CUDA_ROTATION, PREP_NORM_ROTATION):
-        return grid >= 2 * sms or 10 * programs <= 13 * sms
+        return 4 * grid >= 9 * sms or grid + programs <= sms or (ks >= 4 and 10 * programs <= 13 * sms)
     if prep == PREP_ROTATION:
         return grid + programs <= sms or (grid >= 2 * sms and (3 * programs <= sms or programs >= 2 * sms))
     return grid >= 2 * sms or (grid + rows <= sms and programs <= 2 * sms)
@@ -329,7 +334,8 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
     # weights, then waits for the prep's stores); the prep lets it (triton_runtime.launch_dependents)
     index = packed.device.index or 0
     if early is None:
-        early = EARLY_LAUNCH and early_pays(ctas * splits, m, kw * 16, nvrtc.sm_count(index), act.prep, act.prep_rows)
+        early = EARLY_LAUNCH and early_pays(ctas * splits, m, kw * 16, nvrtc.sm_count(index), act.prep, act.prep_rows,
+                                            config.ks)
     early = early and nvrtc.capability(index)[0] >= 9
     nvrtc.launch(fn, (ctas, splits, 1), (config.threads(), 1, 1),
                  [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
