@@ -20,7 +20,10 @@ Decode step of one rank at M rows (TP=2: 64 layers, 48 Gated DeltaNet + 16 atten
   + 128 all-reduces of M × 5120 bf16 over PCIe: ALLREDUCE_FIXED_US + bytes at report 000's 2.6 MB per 0.74 ms
   + K3V2 attention: users × context × 5,376 B (16 layers' K3V2 pages per token on one rank) at
     K3V2_OVER_FLOOR × the byte time (the H200's measured ratio, docs/dev-notes.md)
-  + the GDN recurrent state of every sequence read and written once (38 MB per sequence per rank in bf16).
+  + the GDN recurrent state of every sequence read and written once (38 MB per sequence per rank in bf16)
+  + the 128 RMSNorms ahead of the layers (residual add; x and residual read, both written: 4 · M × 5120 bf16) at
+    their bytes plus LAUNCH_US each; with BONSAI_FUSED_NORM the 80 ahead of gate_up and qkv run inside the prep
+    (their bytes, no launch of their own), the 48 ahead of the GDN layers stay.
 Assumptions are the constants below, each with its source; change them to see what moves.
 
 `--emulated RUN/mma-gemm.json` adds a second estimate of the linear layers at the rows that run (2-64) from a
@@ -63,6 +66,8 @@ K3V2_BYTES_PER_TOKEN = 5376  # per rank, 16 layers × 2 KV heads × 168 B (docs/
 K3V2_OVER_FLOOR = 4.5  # the K3V2 decode kernel ran at 4-5× its byte floor on the H200 (docs/dev-notes.md)
 GDN_STATE_BYTES = 38e6  # per sequence per rank, bf16 (docs/design.md §1); read and written once per step
 HIDDEN = 5120
+NORMS = 128  # two RMSNorms per decoder layer (input_layernorm, post_attention_layernorm), 64 layers
+FUSED_NORMS = 80  # BONSAI_FUSED_NORM: the 64 ahead of gate_up and the 16 ahead of the attention layers' qkv
 # Dense int8 tensor-core operations per SM and clock on an RTX 50 card: the RTX Blackwell whitepaper's RTX 5090
 # figure, 838 TOPS over 170 SMs at 2.41 GHz (Ada's rate; half the A100's 4,096 per SM and clock).
 RTX_INT8_OPS_PER_SM_CLOCK = 2048
@@ -177,15 +182,24 @@ def layer_time(card: Card, n: int, k: int, launches: list[Launch]) -> dict:
             "instructions_per_weight": per_weight}
 
 
-def step(card: Card, m: int, users: int, context: int, layers: dict) -> dict:
+def norms_us(card: Card, m: int, fused_norm: bool) -> float:
+    """The step's RMSNorms: each reads x and the residual and writes both (M × HIDDEN bf16 each); a norm of its own
+    adds a launch, one fused into the prep (fused_norm: FUSED_NORMS of them) only its bytes."""
+    per_norm = 4 * m * HIDDEN * 2 / card.bandwidth * 1e6
+    fused = FUSED_NORMS if fused_norm else 0
+    return NORMS * per_norm + (NORMS - fused) * LAUNCH_US
+
+
+def step(card: Card, m: int, users: int, context: int, layers: dict, fused_norm: bool = True) -> dict:
     linear = (16 * (layers["qkv"]["us"] + layers["o_proj"]["us"]) + 48 * (layers["gdn_in"]["us"] + layers["gdn_out"]["us"])
               + 64 * (layers["gate_up"]["us"] + layers["down"]["us"]) + layers["lm_head"]["us"])
     allreduce = 128 * (ALLREDUCE_FIXED_US + m * HIDDEN * 2 / ALLREDUCE_BYTES_PER_S * 1e6)
     attention = K3V2_OVER_FLOOR * users * context * K3V2_BYTES_PER_TOKEN / card.bandwidth * 1e6
     gdn_state = 2 * users * GDN_STATE_BYTES / card.bandwidth * 1e6
-    total = linear + allreduce + attention + gdn_state
+    norms = norms_us(card, m, fused_norm)
+    total = linear + allreduce + attention + gdn_state + norms
     return {"M": m, "users": users, "linear_us": linear, "allreduce_us": allreduce, "attention_us": attention,
-            "gdn_state_us": gdn_state, "step_us": total}
+            "gdn_state_us": gdn_state, "norms_us": norms, "step_us": total}
 
 
 def emulated_layer(row: dict, card: Card = RTX_5070, measured_on: Card = H200) -> dict:
@@ -202,7 +216,8 @@ def emulated_layer(row: dict, card: Card = RTX_5070, measured_on: Card = H200) -
     return {"us": terms[bound], "bound": bound, **{f"{t}_us": v for t, v in terms.items()}}
 
 
-def emulated_steps(rows: list[dict], lm_head: dict[int, dict], context: int, card: Card = RTX_5070) -> list[dict]:
+def emulated_steps(rows: list[dict], lm_head: dict[int, dict], context: int, card: Card = RTX_5070,
+                   fused_norm: bool = True) -> list[dict]:
     """Decode steps at 24 rows (24 users) and 48 rows (24 users with MTP) whose linear layers are
     `emulated_layer`'s, where the bench-mma rows hold all six layers at that M on the card's SMs; the LM head
     (not in bench-mma) from the instruction model (`lm_head`: per M)."""
@@ -211,7 +226,7 @@ def emulated_steps(rows: list[dict], lm_head: dict[int, dict], context: int, car
         at = {r["layer"]: emulated_layer(r, card) for r in rows if r["M"] == m and r.get("sms") == card.sms}
         if m not in lm_head or not set(LINEAR) <= at.keys():
             continue
-        s = step(card, m, users, context, {**at, "lm_head": lm_head[m]})
+        s = step(card, m, users, context, {**at, "lm_head": lm_head[m]}, fused_norm)
         steps.append({**s, "bounds": {name: t["bound"] for name, t in at.items()}})
     return steps
 
@@ -223,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--emulated", metavar="JSON", type=Path,
                     help="bench-mma's JSON from a 48-SM run (--rtx-occupancy --sms 48): the linear layers measured")
+    ap.add_argument("--unfused-norm", action="store_true",
+                    help="every RMSNorm a kernel of its own (BONSAI_FUSED_NORM off)")
     args = ap.parse_args(argv)
     shapes = {name: LAYERS[name] for name in LINEAR}
     shapes["lm_head"] = LM_HEAD
@@ -240,17 +257,18 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"layer": name, "K": k, "N": n, "M": m, "route": route, "rtx5070": rtx, "h200_model": h200})
             print(f"| {name} | {m} | {route} | {rtx['instructions_per_weight']:.3f} | {rtx['us']:.1f} | "
                   f"{rtx['bound']} | {rtx['issue_us']:.1f} | {rtx['bytes_us']:.1f} | {h200['us']:.1f} |", flush=True)
-    steps = [step(RTX_5070, 1, 1, args.context, per_m[1]), step(RTX_5070, 2, 1, args.context, per_m[2]),
-             step(RTX_5070, 24, 24, args.context, per_m[24]), step(RTX_5070, 48, 24, args.context, per_m[48])]
+    fused = not args.unfused_norm
+    steps = [step(RTX_5070, m, users, args.context, per_m[m], fused) for m, users in ((1, 1), (2, 1), (24, 24), (48, 24))]
     print(f"\n| M (users) | linear ms | all-reduce ms | K3V2 attention ms ({args.context} tokens each) | GDN state ms "
-          "| step ms |\n|---|---|---|---|---|---|")
+          f"| RMSNorms ms ({'80 fused' if fused else 'unfused'}) | step ms |\n|---|---|---|---|---|---|---|")
     for s in steps:
         print(f"| {s['M']} ({s['users']}) | {s['linear_us'] / 1e3:.2f} | {s['allreduce_us'] / 1e3:.2f} | "
-              f"{s['attention_us'] / 1e3:.2f} | {s['gdn_state_us'] / 1e3:.2f} | {s['step_us'] / 1e3:.2f} |")
+              f"{s['attention_us'] / 1e3:.2f} | {s['gdn_state_us'] / 1e3:.2f} | {s['norms_us'] / 1e3:.2f} | "
+              f"{s['step_us'] / 1e3:.2f} |")
     emulated = []
     if args.emulated:
         bench = json.loads(args.emulated.read_text())["rows"]
-        emulated = emulated_steps(bench, {m: per_m[m]["lm_head"] for m in per_m}, args.context)
+        emulated = emulated_steps(bench, {m: per_m[m]["lm_head"] for m in per_m}, args.context, fused_norm=fused)
         print(f"\nLinear layers from {args.emulated} (H200 on 48 SMs at sm_120's occupancy; clocks, bytes and "
               "tensor rate of the RTX 5070):\n| M (users) | linear ms | all-reduce ms | step ms | tokens/s (MTP "
               "accepts 0.7) | bound per layer |\n|---|---|---|---|---|---|")

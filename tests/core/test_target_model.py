@@ -46,7 +46,11 @@ def test_step_adds_the_parts(tm):
     s = tm.step(tm.RTX_5070, m=1, users=1, context=0, layers=layers)
     assert s["linear_us"] == 16 * 2 + 48 * 2 + 64 * 2 + 1
     assert s["attention_us"] == 0
-    assert s["step_us"] == pytest.approx(s["linear_us"] + s["allreduce_us"] + s["gdn_state_us"])
+    assert s["step_us"] == pytest.approx(s["linear_us"] + s["allreduce_us"] + s["gdn_state_us"] + s["norms_us"])
+    # the norms: 128 of 4 × 5120 bf16 per row; unfused each adds a launch, fused only the 48 ahead of the GDN layers
+    unfused = tm.step(tm.RTX_5070, m=1, users=1, context=0, layers=layers, fused_norm=False)
+    assert unfused["norms_us"] - s["norms_us"] == pytest.approx(80 * tm.LAUNCH_US)
+    assert s["norms_us"] == pytest.approx(128 * 4 * 5120 * 2 / tm.RTX_5070.bandwidth * 1e6 + 48 * tm.LAUNCH_US)
 
 
 def test_emulated_layer_takes_the_largest_term(tm):
