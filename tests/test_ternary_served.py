@@ -35,7 +35,14 @@ def test_dense_twin_runs_without_plugin(dense_server):
 
 
 def test_ternary_matches_dense_twin(ternary_server, dense_server, noise_floor):
-    assert "bonsai_vllm plugin loaded" in ternary_server.log_path.read_text(errors="replace")
+    log = ternary_server.log_path.read_text(errors="replace")
+    assert "bonsai_vllm plugin loaded" in log
+    # BONSAI_FUSED_NORM (on by default): each decoder layer's post-attention norm and gate_up_proj become one op,
+    # and on the full-attention layers the input norm and qkv_proj (on CUDA one kernel ahead of the GEMV; here the
+    # same norm in torch, then the layer). Served, it must still be the model: a residual not carried on, or a
+    # layer fed the wrong rows, moves every later token.
+    assert "RMSNorm fused into the prep of gate_up_proj (BONSAI" in log  # a Gated DeltaNet layer
+    assert "RMSNorm fused into the prep of gate_up_proj and qkv_proj" in log  # the tiny model's attention layer
     diff = logprob_difference(ternary_server.url, dense_server.url)
     mean_tol, max_tol = tolerance(noise_floor)
     print(f"\nternary vs dense twin: {diff} (tolerance mean {mean_tol:.4f}, max {max_tol:.4f})")
@@ -49,17 +56,14 @@ def test_broken_signs_are_caught(ternary_checkpoints, dense_server, noise_floor)
     assert diff.mean > 5 * mean_tol, f"a wrong sign vector went unnoticed: {diff}"
 
 
-def test_fused_norm_serves_the_same_model(ternary_checkpoints, dense_server, noise_floor):
-    # BONSAI_FUSED_NORM: each decoder layer's post-attention norm and gate_up_proj become one op, and on the
-    # full-attention layers the input norm and qkv_proj (on CUDA one kernel ahead of the GEMV; here the same norm in
-    # torch, then the layer). Served, it must still be the model: a residual not carried on, or a layer fed the
-    # wrong rows, moves every later token.
-    srv, diff = _serve_and_score(ternary_checkpoints["ternary"], dense_server.url, env={"BONSAI_FUSED_NORM": "1"})
+def test_unfused_norm_serves_the_same_model(ternary_checkpoints, dense_server, noise_floor):
+    # BONSAI_FUSED_NORM=0: vLLM's own norms, then the layers, as before the fusion; the switch must leave every
+    # layer as vLLM built it and still serve the model
+    srv, diff = _serve_and_score(ternary_checkpoints["ternary"], dense_server.url, env={"BONSAI_FUSED_NORM": "0"})
     log = srv.log_path.read_text(errors="replace")
-    assert "RMSNorm fused into the prep of gate_up_proj (BONSAI" in log  # a Gated DeltaNet layer
-    assert "RMSNorm fused into the prep of gate_up_proj and qkv_proj" in log  # the tiny model's attention layer
+    assert "bonsai_vllm plugin loaded" in log and "RMSNorm fused" not in log
     mean_tol, max_tol = tolerance(noise_floor)
-    print(f"\nfused norm vs dense twin: {diff} (tolerance mean {mean_tol:.4f}, max {max_tol:.4f})")
+    print(f"\nunfused norm vs dense twin: {diff} (tolerance mean {mean_tol:.4f}, max {max_tol:.4f})")
     assert diff.mean <= mean_tol and diff.max <= max_tol, f"{diff} exceeds tolerance ({mean_tol}, {max_tol})"
 
 

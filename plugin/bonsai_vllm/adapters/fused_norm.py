@@ -1,5 +1,5 @@
 """Qwen3.5's RMSNorms fused into the activation prep of the ternary layer each one feeds (issue 19;
-BONSAI_FUSED_NORM, off by default).
+BONSAI_FUSED_NORM, on by default).
 
 vLLM runs, per decoder layer, `hidden, residual = post_attention_layernorm(hidden, residual)` (a residual add and
 GemmaRMSNorm) and then `mlp(hidden)`, whose first step is gate_up_proj; a full-attention layer likewise starts with

@@ -29,7 +29,7 @@ def register() -> None:
     from bonsai_vllm.adapters.loading import patch_qwen3_5_loader
 
     patch_qwen3_5_loader()
-    install_fused_norm()  # the layers it changes are chosen when built, by BONSAI_FUSED_NORM (off by default)
+    install_fused_norm()  # the layers it changes are chosen when built, by BONSAI_FUSED_NORM (on by default)
     patch_tp_all_reduce()
     install_ssd_embedding()  # off unless BONSAI_SSD_EMBED_DIR is set; raises at start-up on a bad export
     register_k3v2_backend()
