@@ -264,6 +264,19 @@ __device__ __forceinline__ void store8(void* y, long i, const float (&v)[8], con
   }
 }
 
+// z = x + residual (ADD; else x) at inputs c .. c + 7 of a row (x's at x_row, the residual's at r_row), float32.
+template <int IN, int ADD>
+__device__ __forceinline__ void load_sum(const void* x, const void* residual, long x_row, long r_row, int c,
+                                         float (&z)[8]) {
+  load8<IN>(x, x_row + c, z);
+  if (ADD) {
+    float q[8];
+    load8<IN>(residual, r_row + c, q);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) z[i] = add_rn(z[i], q[i]);
+  }
+}
+
 // The residual add and RMSNorm ahead of a layer, fused with the rotation + prep of its output (issue 19: one
 // kernel boundary less per normed layer input: the boundary cost ~1.1 µs on the H200, nineteenth session).
 //   z = x + residual (float32; ADD = 0: z = x), residual_out = z in IN's type,
@@ -313,15 +326,8 @@ norm_rotate_prep(const void* __restrict__ x,    // [M, stride_x] of IN's type
   u16 bits[8];
 #pragma unroll
   for (int j = 0; j < VT; ++j) {
-    const int c = 8 * (j * THREADS + threadIdx.x);
     float z[8];
-    load8<IN>(x, (long)m * stride_x + c, z);
-    if (ADD) {
-      float q[8];
-      load8<IN>(residual, (long)m * stride_r + c, q);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) z[i] = add_rn(z[i], q[i]);
-    }
+    load_sum<IN, ADD>(x, residual, (long)m * stride_x, (long)m * stride_r, 8 * (j * THREADS + threadIdx.x), z);
     part[j] = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) part[j] = add_rn(part[j], mul_rn(z[i], z[i]));
@@ -330,15 +336,7 @@ norm_rotate_prep(const void* __restrict__ x,    // [M, stride_x] of IN's type
       for (int i = 0; i < 8; ++i) v[i] = z[i];
     }
   }
-  if (VT > 1) {  // this CTA's own block once more (L1), as the loop computed it
-    load8<IN>(x, (long)m * stride_x + col, v);
-    if (ADD) {
-      float q[8];
-      load8<IN>(residual, (long)m * stride_r + col, q);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = add_rn(v[i], q[i]);
-    }
-  }
+  if (VT > 1) load_sum<IN, ADD>(x, residual, (long)m * stride_x, (long)m * stride_r, col, v);  // own block (L1)
   load8<IN>(w, col, f);
   if (PREP) load_signs(signs, col, s);
   if (ADD) {
