@@ -40,11 +40,12 @@ SHAPES = bk.SHAPES
 
 
 def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0,
-          gpus: tuple[mma.Gpu, ...] = (mma.H200,), ks_only: bool = False) -> list[MmaConfig]:
+          gpus: tuple[mma.Gpu, ...] = (mma.H200,), ks_only: bool = False, flat: bool = False) -> list[MmaConfig]:
     """The configurations timed for m rows: the defaults of the rules for `gpus` alone (`quick`), or the sweep
     the rules came from (warps and row tiles per CTA, warps along the batch and along K, K slices, stages ×
     groups per stage); with `min_shared`, only the sweep's configurations above that many bytes of shared
-    memory (and the defaults); with `ks_only`, only those with warps along K (and the defaults)."""
+    memory (and the defaults); with `ks_only`, only those with warps along K (and the defaults); with `flat`, the
+    same configurations with each stage's groups branch-free (MmaConfig.flat), and the defaults both ways."""
     defaults = [d for d in dict.fromkeys(mma.default_config(m, n, k, g) for g in gpus) if d is not None]
     if quick:
         return defaults
@@ -60,6 +61,8 @@ def sweep(m: int, n: int, k: int, quick: bool, min_shared: int = 0,
                          for res in residual for st, gps in pipes)
              if c.tiles(m) == tiles and c.fits(tiles) and c.shared_bytes(tiles) > min_shared
              and (c.ks > 1 or not ks_only)]
+    if flat:
+        cands = [replace(c, flat=True) for c in cands] + [replace(d, flat=not d.flat) for d in defaults]
     cands += [d for d in defaults if d not in cands]
     return [c for c in cands if n % c.rows_per_cta() == 0 and (k // 128) // c.split >= 2]
 
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="sweep only configurations above this many bytes of shared memory (and the default)")
     ap.add_argument("--ks-only", action="store_true",
                     help="sweep only configurations with warps along K inside the CTA (and the default)")
+    ap.add_argument("--flat", action="store_true",
+                    help="sweep the configurations with each stage's groups branch-free (and the default both ways)")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
     shapes = [s for s in SHAPES if s[0] in args.layers.split(",")]
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     # Compile every instance the sweep needs at once (NVRTC on the host's cores), not one by one inside timing.
     t0 = time.time()
     wanted = {mma.template(m, c, dt): (m, c, dt) for name, k, n in shapes for m in ms
-              for c in sweep(m, n, k, args.quick, args.min_shared, gpus, args.ks_only)
+              for c in sweep(m, n, k, args.quick, args.min_shared, gpus, args.ks_only, args.flat)
               for dt in (torch.bfloat16, torch.float32)}
     cap = "".join(map(str, torch.cuda.get_device_capability()))
     # With --rtx-occupancy the sm_120 builds too: their register counts set each launch's padding.
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             want = x.float() @ w_ref.t()
             ok = []
             exact_for = {res: mma.gemm_reference(act, packed, scales, res) for res in (True, False)}
-            for cfg in sweep(m, n, k, args.quick, args.min_shared, gpus, args.ks_only):
+            for cfg in sweep(m, n, k, args.quick, args.min_shared, gpus, args.ks_only, args.flat):
                 exact = exact_for[cfg.residual]
                 try:
                     y = mma.gemm(act, packed, scales, cfg, ws, out=torch.full((m, n), float("nan"), device=dev))

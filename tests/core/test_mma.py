@@ -244,6 +244,26 @@ def test_warps_along_k_name_their_instance_and_size_their_reduction(kern):
     assert not mma.MmaConfig(4, 1, 1, False, stages=2, gps=4, wm=3, ks=4).fits(6)  # 1,536 threads: over 1,024
 
 
+def test_flat_stages_name_their_instance_and_where_the_rule_takes_them(kern):
+    mma = kern.mma
+    plain = mma.MmaConfig(4, 1, 1, False, stages=2, gps=4)
+    flat = dataclasses.replace(plain, flat=True)
+    # FLAT follows KS in the template, so KS is spelled out even at 1; a plain instance keeps its old name
+    assert mma.template(16, flat, torch.bfloat16) == "ternary_mma<2, 1, 4, 1, false, 1, 2, 4, 1, true>"
+    assert mma.template(16, plain, torch.bfloat16) == "ternary_mma<2, 1, 4, 1, false, 1, 2, 4>"
+    assert mma.template(48, dataclasses.replace(flat, ks=2), torch.bfloat16).endswith(", 2, 4, 2, true>")
+    assert mma.MmaConfig.parse(str(flat)) == flat and str(flat).endswith(" flat=1") and "flat" not in str(plain)
+    assert flat.shared_bytes(2) == plain.shared_bytes(2)  # the same stages, only the code differs
+    # the H100 A/B (twenty-second session): flat where it won 2-13 % served: gate_up at 9-24 and 49-64 rows,
+    # down_proj at 9-24, the other layers at 49-64; never at one column tile (the residual instances)
+    flat_rows = {name: [m for m in range(2, 65) if mma.default_config(m, n, k).flat] for name, (k, n) in LAYERS.items()}
+    assert flat_rows["gate_up"] == flat_rows["lm_head"] == [*range(9, 25), *range(49, 65)]
+    assert flat_rows["down"] == list(range(9, 25))
+    assert flat_rows["qkv"] == flat_rows["o_proj"] == flat_rows["gdn_out"] == list(range(49, 65))
+    # unmeasured on an RTX 50 card: its rule never takes it
+    assert not any(mma.default_config(m, n, k, mma.RTX_5070).flat for m in range(2, 65) for k, n in LAYERS.values())
+
+
 def test_shared_bytes_match_the_kernels_layout(kern):
     # PipeStage, in words: codes [64 rows][8 GPS (+4 at GPS 4)] + x8 (+ r8) [8T · 4][8 GPS]
     # + scalars [GPS][2 or 4][8T] + weight scales [64 rows][GPS / 2 + 1]

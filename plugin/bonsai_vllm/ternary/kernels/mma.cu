@@ -166,7 +166,7 @@ struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loa
   static __device__ __forceinline__ int chunk(int ml, int q) { return ml * C + (q ^ ((ml / (8 / C)) % C)); }
 };
 
-template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS, int KS = 1>
+template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS, int KS = 1, bool FLAT = false>
 __global__ void __launch_bounds__(WARPS * WM * KS * 32)
 ternary_mma(const u32* __restrict__ codes,   // [N, KW]
             const u16* __restrict__ scales,  // fp16 [N, G]
@@ -345,10 +345,8 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
         sa[gi][r] = half_to_float(ws[lr * 2 * S::WS + h]);
         sb[gi][r] = half_to_float(ws[(lr + 8) * 2 * S::WS + h]);
       }
-#pragma unroll
-    for (int gi = 0; gi < GPS; ++gi) {
-      if (KS > 1 && gi % KS != ks) continue;             // another warp's group (warp-uniform)
-      if (GPS > 1 && g0 + GPS * i + gi >= g1) continue;  // the slice's last stage may be short (warp-uniform)
+    // One group of the stage (gi a compile-time constant wherever it is called).
+    auto group = [&](const int gi) {
       u32 a[R][4][4];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -422,6 +420,33 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
           acc[r][jj][2] += sb[gi][r] * v2;
           acc[r][jj][3] += sb[gi][r] * v3;
         }
+      }
+    };
+    // The stage's groups, each warp's share (every KS-th of them). A test per group (another warp's group? past
+    // the slice?) ends a basic block per group, so no group's fragment loads start under the previous group's
+    // products and float tail. FLAT runs a whole stage (all but a slice's last may be short) with no branch
+    // between its groups: ptxas then interleaves them, at the price of more registers (1.03-1.10x faster or
+    // 0.8x slower by instance on an H100; the rule picks, mma.py's _FLAT).
+    if constexpr (FLAT) {
+      const int ngrp = min(GPS, g1 - (g0 + GPS * i));  // the stage's groups inside the slice (warp-uniform)
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        if (KS > 1 && kk != ks) continue;  // another warp's groups (warp-uniform)
+        if (ngrp == GPS) {
+#pragma unroll
+          for (int gi = kk; gi < GPS; gi += KS) group(gi);
+        } else {
+#pragma unroll
+          for (int gi = kk; gi < GPS; gi += KS)
+            if (gi < ngrp) group(gi);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int gi = 0; gi < GPS; ++gi) {
+        if (KS > 1 && gi % KS != ks) continue;  // another warp's group (warp-uniform)
+        if (GPS > 1 && g0 + GPS * i + gi >= g1) continue;  // the slice's last stage may be short (warp-uniform)
+        group(gi);
       }
     }
   }

@@ -47,11 +47,12 @@ class MmaConfig:
     gps: int = 1  # groups of 128 inputs per stage (1, 2 or 4)
     wm: int = 1  # warps along the batch: each takes 1/wm of the column tiles
     ks: int = 1  # warps along K inside the CTA: each takes every ks-th group of a stage (warps · wm · ks warps)
+    flat: bool = False  # a whole stage's groups with no branch between them (more registers; mma.cu's FLAT)
 
     def __str__(self) -> str:
         return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)} "
                 f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else "")
-                + (f" ks={self.ks}" if self.ks > 1 else ""))
+                + (f" ks={self.ks}" if self.ks > 1 else "") + (" flat=1" if self.flat else ""))
 
     @classmethod
     def parse(cls, text: str) -> "MmaConfig":
@@ -59,7 +60,7 @@ class MmaConfig:
         fields = dict(part.split("=") for part in text.split())
         return cls(warps=int(fields["warps"]), rtiles=int(fields["rtiles"]), split=int(fields["split"]),
                    residual=fields["residual"] == "1", stages=int(fields["stages"]), gps=int(fields["gps"]),
-                   wm=int(fields.get("wm", 1)), ks=int(fields.get("ks", 1)))
+                   wm=int(fields.get("wm", 1)), ks=int(fields.get("ks", 1)), flat=fields.get("flat") == "1")
 
     def tiles(self, m: int) -> int:
         """Column tiles of the instance that runs m rows: 8 rows each, rounded up to a multiple of wm, and seven
@@ -180,6 +181,11 @@ _RTX_SHALLOW = {**_RTX_OTHER, **_RTX_FROM_25, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 2
                 3: (4, 2, 2, 4, 1, 0, 2), 4: (4, 2, 2, 4, 2, 0, 2)}
 _RTX_WIDE = {**_RTX_OTHER, **_RTX_FROM_25, 1: (4, 1, 2, 4, 1, 0, 2), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2)}
 _RTX_DEEP = {**_RTX_OTHER, **_RTX_FROM_25, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 2, 2, 4, 1, 0, 2)}
+# Column tiles T at which the table's instance runs each stage's groups with no branch between them (MmaConfig.flat):
+# where that was 1.02-1.10x faster than the per-group blocks, served and alone, on an H100 (twenty-second session,
+# docs/benchmarks.md). Elsewhere the registers it adds lost up to 1.25x (gate_up at 41-48 rows: 192 registers
+# against 168, two CTAs per SM instead of three; down_proj from 25 rows). Not on the RTX 50's tables: unmeasured.
+_FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow": {7, 8}}, True: {}}
 _TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _OTHER, "other": _OTHER},
            True: {"deep": _RTX_DEEP, "wide": _RTX_WIDE, "shallow": _RTX_SHALLOW, "other": _RTX_OTHER}}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
@@ -203,9 +209,10 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200) -> MmaConfig | None:
     if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
     groups = k // GROUP
-    warps, rtiles, stages, gps, wm, per_sm, min_groups, *ks = _TABLES[gpu.rtx50][layer_class(n, k)][-(-m // 8)]
+    cls, tiles = layer_class(n, k), -(-m // 8)
+    warps, rtiles, stages, gps, wm, per_sm, min_groups, *ks = _TABLES[gpu.rtx50][cls][tiles]
     cfg = MmaConfig(warps=warps, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps,
-                    wm=wm, ks=ks[0] if ks else 1)
+                    wm=wm, ks=ks[0] if ks else 1, flat=tiles in _FLAT[gpu.rtx50].get(cls, ()))
     if n % cfg.rows_per_cta():
         return None
     return replace(cfg, split=k_slices(n // cfg.rows_per_cta(), groups, per_sm, min_groups, gpu.sms))
@@ -224,7 +231,8 @@ def template(rows: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
     """The C++ name (NVRTC name expression) of the kernel instance that runs `rows` batch rows: its column tiles
     are config.tiles(rows), the one place that count is worked out."""
     return (f"ternary_mma<{config.tiles(rows)}, {config.rtiles}, {config.warps}, {config.wm}, {str(config.residual).lower()}, "
-            f"{_OUT[out_dtype]}, {config.stages}, {config.gps}" + (f", {config.ks}>" if config.ks > 1 else ">"))
+            f"{_OUT[out_dtype]}, {config.stages}, {config.gps}"
+            + (f", {config.ks}, true>" if config.flat else f", {config.ks}>" if config.ks > 1 else ">"))
 
 
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
