@@ -89,3 +89,16 @@ def test_launch_structures_match_the_driver_abi():
 def test_early_launch_refuses_arguments_it_cannot_pass():
     with pytest.raises(TypeError, match="tensors and ints"):
         nvrtc.launch(object(), (1, 1, 1), (32, 1, 1), [1.5], early=True)
+
+
+def test_which_prep_goes_ahead_of_the_stream_gemv():
+    # Measured served on an H100 and an H200 (twenty-second session): the CUDA C prep at up to 8 CTAs (rows ·
+    # K / 1024), Triton's above, ahead of the streaming GEMV only; every other route keeps the CUDA C prep.
+    from bonsai_vllm.ternary.kernels import linear
+
+    serves = {(name, m): linear.cuda_prep_serves("stream", m, k, 1024)
+              for name, (k, _) in LAYERS.items() if k % 1024 == 0 for m in (1, 2, 4)}
+    assert {key for key, cuda in serves.items() if not cuda} == {
+        ("gate_up", 2), ("gate_up", 4), ("qkv", 2), ("qkv", 4), ("gdn_in", 2), ("gdn_in", 4), ("o_proj", 4),
+        ("gdn_out", 4), ("lm_head", 2), ("lm_head", 4)}
+    assert all(linear.cuda_prep_serves(path, 4, 5120, 1024) for path in ("dp4a", "mma"))

@@ -75,6 +75,18 @@ MMA_MAX_M = 64
 # GEMM decodes its weight tile once per row tile, so the decode grows with M while one expansion does not.
 # The scheduler's chunks (256 prefill tokens + the decode rows while others decode, 512 when idle) are all here.
 CODES_MAX_M = 512
+# CTAs of the CUDA C rotation + prep (rows · K / 1024) up to which it goes ahead of the streaming GEMV; Triton's
+# rotation + prep above. Launched early, the GEMV's CTAs slow the CUDA C prep down beside them (qkv at two rows:
+# 4.4-6.1 µs start to end, 2.2 alone) while Triton's holds its 3.1 µs. Served on an H100 and an H200 (twenty-second
+# session, docs/benchmarks.md): Triton's 1.08-1.19x faster at 10-12 CTAs (the 5120-wide layers at two rows, the
+# 3072-wide at four), the CUDA C prep 1.03-1.11x faster at 3-6 (one row; the 3072-wide at two).
+STREAM_CUDA_PREP_MAX_CTAS = 8
+
+
+def cuda_prep_serves(path: str, rows: int, k: int, block: int) -> bool:
+    """Whether the CUDA C rotation + prep (rather than Triton's) goes ahead of route `path` for `rows` rows of
+    K inputs rotated by `block` (on a layer whose CUDA C rotation is on)."""
+    return path != "stream" or rows * (k // block) <= STREAM_CUDA_PREP_MAX_CTAS
 
 
 @dataclass
@@ -101,7 +113,8 @@ class TernaryWeights:
     # expand_int8 + GEMM (prepare's switch; None: BONSAI_CODES_GEMM). No effect when W8 is kept.
     codes: bool = False
     # unrotated decode rows (the dp4a, stream and mma routes) rotated and prepared by the CUDA C kernel
-    # (rotate_prep.cu) rather than Triton's hadamard.rotate_dp4a (prepare's switch; CUDA, sm_90 and later)
+    # (rotate_prep.cu) rather than Triton's hadamard.rotate_dp4a (prepare's switch; CUDA, sm_90 and later), except
+    # ahead of the streaming GEMV past STREAM_CUDA_PREP_MAX_CTAS (cuda_prep_serves)
     cuda_rotation: bool = False
     # `norm_ternary_linear` through rotate_prep.norm_rotate_prep: decode rows' residual add, RMSNorm, rotation and
     # prep in one CUDA C kernel, other rows' add and norm (prepare's switch; needs cuda_rotation and K whole
@@ -304,7 +317,7 @@ def ternary_linear(x: torch.Tensor, tw: TernaryWeights, *, rotated: bool = False
         # x's dtype itself unless a bias is added after it in float32
         if rotated:
             act = dp4a.prepare(x2)
-        elif tw.cuda_rotation:
+        elif tw.cuda_rotation and cuda_prep_serves(r.path, m, k, tw.block):
             from bonsai_vllm.ternary.kernels.rotate_prep import rotate_prep
 
             act = rotate_prep(x2, tw.signs, tw.block)
