@@ -183,7 +183,9 @@ SETTINGS: tuple[Setting, ...] = (
             "and warp shuffles (ternary/kernels/rotate_prep.cu, compiled by NVRTC at load; on the H200 2.2 µs "
             "against 3.0-3.4 alone), instead of the Triton kernel's tensor-core products (hadamard.rotate_dp4a). "
             "The same bytes up to the rotation's float32 rounding; make gpu-check passed it bit for bit against its "
-            "reference and at every layer (issue 19).",
+            "reference and at every layer (issue 19). Ahead of the streaming GEMV, Triton's kernel still serves where "
+            "the CUDA C one would run more than 8 CTAs (two rows of K = 5120, four of 3072): beside that GEMV the CUDA "
+            "C kernel slows down, Triton's does not (linear.cuda_prep_serves).",
             "ternary/kernels/linear.py"),
     Setting("BONSAI_CODES_GEMM", "bool", True,
             "Prefill chunks of 65 to 512 rows with the int8 weights W8 not kept (12 GB cards) through the int8 "
