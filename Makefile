@@ -39,7 +39,7 @@ SERVER_PORT ?= $(or $(call dotenv,SERVER_PORT),8000)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-stream bench-layers bench-norm bench-prefill bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
+.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-mma-variants bench-stream bench-layers bench-norm bench-prefill bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui \
 	server upstream-key lan-server lan-server-remove bench-scale-out mtp-collect mtp-extract mtp-train
 
@@ -260,6 +260,9 @@ bench-decode: ## decode GEMV candidates (split-K fma, multi-row fma, int8 BM=16)
 
 bench-mma: ## the 2-64-row int8 tensor-core kernel (mma.cu): its config sweep checked, then timed against the served route and bf16 (CUDA GPU; BENCH_ARGS=--quick: the default only)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.mma_gemm --out .cache/bench-mma $(BENCH_ARGS)
+
+bench-mma-variants: ## the 2-64-row kernel against its kept variants (benchmarks/variants/*.patch): checked, then timed side by side (CUDA GPU; BENCH_ARGS=--resources: registers and instructions, no GPU)
+	PYTHONPATH=plugin $(PYTHON) -m benchmarks.mma_variants --out .cache/bench-mma-variants $(BENCH_ARGS)
 
 bench-stream: ## the 1-4-row streaming GEMV (stream_gemv.cu): its config sweep checked, then timed against a read floor, the routes before it and bf16 (CUDA GPU; BENCH_ARGS=--quick: the defaults only)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.stream_gemv --out .cache/bench-stream $(BENCH_ARGS)
