@@ -261,7 +261,7 @@ bench-decode: ## decode GEMV candidates (split-K fma, multi-row fma, int8 BM=16)
 bench-mma: ## the 2-64-row int8 tensor-core kernel (mma.cu): its config sweep checked, then timed against the served route and bf16 (CUDA GPU; BENCH_ARGS=--quick: the default only)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.mma_gemm --out .cache/bench-mma $(BENCH_ARGS)
 
-bench-mma-variants: ## the 2-64-row kernel against its kept variants (benchmarks/variants/*.patch): checked, then timed side by side (CUDA GPU; BENCH_ARGS=--resources: registers and instructions, no GPU)
+bench-mma-variants: ## the 2-64-row kernel's rule against variants of it (its code-shape flags switched, or mma.cu patches): checked, then timed side by side (CUDA GPU; BENCH_ARGS=--served: the layer as served; --resources: registers and instructions, no GPU)
 	PYTHONPATH=plugin $(PYTHON) -m benchmarks.mma_variants --out .cache/bench-mma-variants $(BENCH_ARGS)
 
 bench-stream: ## the 1-4-row streaming GEMV (stream_gemv.cu): its config sweep checked, then timed against a read floor, the routes before it and bf16 (CUDA GPU; BENCH_ARGS=--quick: the defaults only)

@@ -1,23 +1,30 @@
-"""Variants of the 2-64-row kernel (mma.cu with patches applied) against the tree's own, side by side (issue 19).
+"""Variants of the 2-64-row kernel against the rule's own instances, side by side (issue 19).
 
-    PYTHONPATH=plugin python -m benchmarks.mma_variants [--variant NAME=PATCH[+PATCH...]]... [--ms 16,32,48,64]
-        [--layers gate_up,...] [--resources] [--out DIR]
+    PYTHONPATH=plugin python -m benchmarks.mma_variants [--flags NAME=FIELD=0|1[,FIELD=0|1...]]...
+        [--variant NAME=PATCH[+PATCH...]]... [--ms 16,32,48,64] [--layers gate_up,...] [--served] [--resources]
+        [--out DIR]
 
-A variant is the tree's mma.cu with one or more patches applied in order (`git apply`, in a temporary folder beside
-a copy of common.cuh); without `--variant`, the patches kept in benchmarks/variants/ (docs/dev-notes.md says what
-each changes and why it was not taken yet). The rule (mma.default_config) picks the configuration, so every variant
-runs the same template instances.
-- `--resources` (no GPU): registers, stack bytes and SASS instructions of each instance the rule launches at
-  `--ms`, for sm_90 (the H100 / H200 rule) and sm_120 (the RTX 50 rule), per variant. A source change that leaves
-  the maths alone still moves registers, and with them CTAs per SM: read this before spending device time.
-- On a GPU: each variant checked against mma.gemm_reference at every layer and row count (within 1e-5, on a
-  NaN-poisoned output), then the kernel alone timed (prepared rows, an ordinary launch) as CUDA-graph replays over
-  weight copies that miss L2, the variants alternated twice; prints µs and tree ÷ variant (> 1: the variant is
-  faster) and writes mma-variants.json under --out."""
+Two kinds of variant, each against "rule" (the tree's mma.cu at the configurations mma.default_config picks):
+- `--flags`: the rule's configurations with code-shape fields set (`flat`, `offsets`, `cstart`: MmaConfig.flat,
+  .row_offsets, .const_start), the tree's source. Without `--flags` or `--variant`: the rule's code-shape flags all
+  off ("none"), the offsets alone, and the offsets with the constant start, so one run measures each flag's worth
+  where the rule takes it and where it does not.
+- `--variant`: the tree's mma.cu with one or more patches applied in order (`git apply`, in a temporary folder
+  beside a copy of common.cuh), at the rule's configurations: an edit to try before it becomes a flag.
+- `--resources` (no GPU): registers, stack bytes and SASS instructions of each instance launched at `--ms`, for
+  sm_90 (the H100 / H200 rule) and sm_120 (the RTX 50 rule), per variant. A source change that leaves the maths
+  alone still moves registers, and with them CTAs per SM: read this before spending device time.
+- On a GPU: each variant's kernel checked against mma.gemm_reference at every layer and row count (within 1e-5, on
+  a NaN-poisoned output), then timed as CUDA-graph replays over weight copies that miss L2, the variants
+  alternated twice: the kernel alone (prepared rows, an ordinary launch), or with `--served` the layer as served
+  (`ternary_linear` on unrotated rows with the layer's signs, the rotation + prep ahead and the mma launched early
+  where the rule says; down_proj on rotated rows), each variant's output required equal to the rule's within 1e-5.
+  Prints µs and rule ÷ variant (> 1: the variant is faster); writes mma-variants.json under --out."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -32,13 +39,20 @@ from benchmarks import kernels as bk
 from bonsai_vllm.ternary.kernels import mma
 
 VARIANTS_DIR = Path(__file__).with_name("variants")
-# name -> the patches, applied in this order to the tree's mma.cu
-DEFAULT_VARIANTS = {
-    "offsets": ["mma-copy-offsets.patch"],
-    "offsets+constant": ["mma-copy-offsets.patch", "mma-constant-start.patch"],
-}
-TREE = "tree"
+RULE = "rule"
 TREE_SOURCE = mma.SOURCE  # the tree's own mma.cu (use() repoints mma.SOURCE at a variant)
+# `--flags` field names: MmaConfig.__str__'s
+FLAG_FIELDS = {"flat": "flat", "offsets": "row_offsets", "cstart": "const_start"}
+DEFAULT_FLAGS = {"none": "offsets=0,cstart=0", "offsets": "offsets=1,cstart=0", "offsets+cstart": "offsets=1,cstart=1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    source: Path  # the mma.cu it builds from
+    fields: tuple[tuple[str, bool], ...] = ()  # MmaConfig fields set over the rule's configuration
+
+    def config(self, rule: mma.MmaConfig) -> mma.MmaConfig:
+        return dataclasses.replace(rule, **dict(self.fields))
 
 
 def build(patches: list[Path]) -> Path:
@@ -53,20 +67,43 @@ def build(patches: list[Path]) -> Path:
     return folder / "mma.cu"
 
 
-def parse_variants(specs: list[str] | None) -> dict[str, list[Path]]:
-    if not specs:
-        return {name: [VARIANTS_DIR / p for p in ps] for name, ps in DEFAULT_VARIANTS.items()}
+def parse_flags(spec: str) -> Variant:
+    """`NAME=FIELD=0|1,...`'s right side: the tree's source at the rule's configurations with those fields set."""
+    fields = []
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key not in FLAG_FIELDS or value not in ("0", "1"):
+            raise SystemExit(f"--flags {spec!r}: write FIELD=0|1[,...] with FIELD one of {', '.join(FLAG_FIELDS)}")
+        fields.append((FLAG_FIELDS[key], value == "1"))
+    return Variant(TREE_SOURCE, tuple(fields))
+
+
+def parse_variants(flags: list[str] | None, patches: list[str] | None) -> dict[str, Variant]:
+    """The variants named on the command line (`--flags`, then `--variant`; patches built now), or the default
+    flag variants. Exits with a clear message where a spec is malformed or a patch does not apply."""
     out = {}
-    for spec in specs:
-        name, _, patches = spec.partition("=")
-        if not patches:
-            raise SystemExit(f"--variant {spec!r}: write NAME=PATCH[+PATCH...]")
-        out[name] = [Path(p) if Path(p).exists() else VARIANTS_DIR / p for p in patches.split("+")]
+    specs = [("flags", f) for f in flags or []] + [("variant", p) for p in patches or []]
+    if not specs:
+        specs = [("flags", f"{name}={spec}") for name, spec in DEFAULT_FLAGS.items()]
+    for kind, spec in specs:
+        name, _, rest = spec.partition("=")
+        if not rest or name == RULE:
+            raise SystemExit(f"--{kind} {spec!r}: write NAME=" + ("FIELD=0|1[,...]" if kind == "flags" else
+                                                                    "PATCH[+PATCH...]") + f" (NAME not {RULE!r})")
+        if kind == "flags":
+            out[name] = parse_flags(rest)
+            continue
+        paths = [Path(p) if Path(p).exists() else VARIANTS_DIR / p for p in rest.split("+")]
+        try:
+            out[name] = Variant(build(paths))
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"variant {name}: {' + '.join(map(str, paths))} does not apply to the tree's mma.cu "
+                             f"({e.stderr.strip()}); regenerate the patch against it") from e
     return out
 
 
-def instances(ms: list[int], layers: list[str], gpu: mma.Gpu) -> dict[str, str]:
-    """The template names the rule launches on `gpu` (bf16 out, as served), keyed "layer:rows"."""
+def rule_configs(ms: list[int], layers: list[str], gpu: mma.Gpu) -> dict[str, tuple[int, mma.MmaConfig]]:
+    """The rule's configuration on `gpu` per "layer:rows" (rows, config), where the kernel applies."""
     shapes = {name: (k, n) for name, k, n in bk.SHAPES}
     out = {}
     for layer in layers:
@@ -74,7 +111,7 @@ def instances(ms: list[int], layers: list[str], gpu: mma.Gpu) -> dict[str, str]:
         for m in ms:
             cfg = mma.default_config(m, n, k, gpu)
             if cfg is not None:
-                out[f"{layer}:{m}"] = mma.template(m, cfg, torch.bfloat16)
+                out[f"{layer}:{m}"] = (m, cfg)
     return out
 
 
@@ -92,23 +129,24 @@ def resources(source: Path, name: str, arch: str) -> tuple[int, int, int]:
     return res.registers, res.spill_bytes, count
 
 
-def print_resources(sources: dict[str, Path], ms: list[int], layers: list[str]) -> None:
+def print_resources(variants: dict[str, Variant], ms: list[int], layers: list[str]) -> None:
     for arch, gpu in (("90", mma.H200), ("120", mma.RTX_5070)):
         print(f"sm_{arch} (the {'RTX 50' if gpu.rtx50 else 'H100 / H200'} rule): registers / stack bytes / SASS "
               "instructions", flush=True)
         seen = set()
-        for case, name in instances(ms, layers, gpu).items():
-            if name in seen:
+        for case, (m, cfg) in rule_configs(ms, layers, gpu).items():
+            names = {label: mma.template(m, v.config(cfg), torch.bfloat16) for label, v in variants.items()}
+            if tuple(names.values()) in seen:
                 continue
-            seen.add(name)
+            seen.add(tuple(names.values()))
             cells = []
-            for label, src in sources.items():
+            for label, v in variants.items():
                 try:
-                    regs, stack, count = resources(src, name, arch)
+                    regs, stack, count = resources(v.source, names[label], arch)
                     cells.append(f"{label} {regs}/{stack}/{count}")
                 except Exception as e:  # a variant that does not build for this instance says so and goes on
                     cells.append(f"{label} does not build ({str(e).splitlines()[0][:60]})")
-            print(f"  {case:11s} {name:50s} " + "   ".join(cells), flush=True)
+            print(f"  {case:11s} {names[RULE]:58s} " + "   ".join(cells), flush=True)
 
 
 def use(source: Path) -> None:
@@ -116,79 +154,102 @@ def use(source: Path) -> None:
     mma._load.cache_clear()  # keyed by the instance's name, not its source
 
 
-def time_variants(sources: dict[str, Path], ms: list[int], layers: list[str], out: Path) -> int:
-    from bonsai_vllm.ternary.kernels import dp4a
+def time_variants(variants: dict[str, Variant], ms: list[int], layers: list[str], served: bool, out: Path) -> int:
+    from bonsai_vllm.ternary.kernels import dp4a, linear
+
+    from benchmarks.layers import served_with_signs
 
     shapes = {name: (k, n) for name, k, n in bk.SHAPES}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     gpu = mma.Gpu.of("cuda")
     results, failures = {}, []
-    print(f"{torch.cuda.get_device_name(0)}; µs per call, tree ÷ variant in brackets", flush=True)
+    print(f"{torch.cuda.get_device_name(0)}; µs per call ({'served' if served else 'kernel alone'}), "
+          f"rule ÷ variant in brackets", flush=True)
     for layer in layers:
         k, n = shapes[layer]
-        packed, scales, _ = bk.random_layer(n, k, "cuda", seed=3)
-        nbytes = n * k / 4 + n * k / 64
-        copies = [(packed.clone(), scales.clone()) for _ in range(bk.n_copies(int(nbytes), l2))]
+        copies = bk.served_copies(n, k, "cuda", seed=3, l2=l2)
+        packed, scales = copies.packed, copies.scales
+        tws, signs = served_with_signs(copies) if served else (None, None)
         ws = dp4a.Dp4aWorkspace("cuda")
         for m in ms:
-            cfg = mma.default_config(m, n, k, gpu)
-            if cfg is None:
+            rule = mma.default_config(m, n, k, gpu)
+            if rule is None or (served and linear.route(m, tws[0]).path != "mma"):
                 continue
-            mma.reserve("cuda", n, k, cfg, m)
+            configs = {label: v.config(rule) for label, v in variants.items()}
+            for cfg in set(configs.values()):
+                mma.reserve("cuda", n, k, cfg, m)
             act = dp4a.prepare(bk.randn(m, k, device="cuda", seed=m))
-            ref = mma.gemm_reference(act, packed, scales, residual=cfg.residual)
-            ok = {}
-            for label, src in sources.items():
-                use(src)
-                got = mma.gemm(act, packed, scales, cfg, ws, out=bk.nan(m, n, dtype=torch.float32), early=False)
+            ref = mma.gemm_reference(act, packed, scales, residual=rule.residual)
+            x = bk.randn(m, k, device="cuda", seed=100 + m)  # the served call's rows (unrotated where signs)
+            ok, served_ref = {}, None
+            for label, v in variants.items():
+                use(v.source)
+                got = mma.gemm(act, packed, scales, configs[label], ws, out=bk.nan(m, n, dtype=torch.float32),
+                               early=False)
                 ok[label] = bk.check(f"{layer} M={m} {label}", bk.rel(got, ref), 1e-5, verbose=False)
+                if ok[label] and served:
+                    tw = with_mma(tws[0], m, configs[label])
+                    y = linear.ternary_linear(x, tw, rotated=signs is None).float()
+                    served_ref = y if served_ref is None else served_ref
+                    ok[label] = bk.check(f"{layer} M={m} {label} served", bk.rel(y, served_ref), 1e-5, verbose=False)
                 if not ok[label]:
                     failures.append(f"{layer} M={m} {label}")
             y = torch.empty(m, n, device="cuda")
-            times = {label: [] for label in sources if ok[label]}
+            times = {label: [] for label in variants if ok[label]}
             for _ in range(2):
                 for label in times:
-                    use(sources[label])
-                    times[label].append(bk.time_graph(
-                        lambda i: mma.gemm(act, copies[i][0], copies[i][1], cfg, ws, out=y, early=False),
-                        len(copies), bk.calls_for(30)))
+                    use(variants[label].source)
+                    cfg = configs[label]
+                    if served:
+                        tw_v = [with_mma(tw, m, cfg) for tw in tws]
+                        fn = lambda i, tw_v=tw_v: linear.ternary_linear(x, tw_v[i], rotated=signs is None)  # noqa: E731
+                    else:
+                        fn = lambda i, cfg=cfg: mma.gemm(act, copies.tern[i][0], copies.tern[i][1], cfg, ws,  # noqa: E731
+                                                         out=y, early=False)
+                    times[label].append(bk.time_graph(fn, len(copies.tern), bk.calls_for(30)))
             med = {label: statistics.median(t) for label, t in times.items()}
-            results[f"{layer}:{m}"] = {"config": str(cfg), "us": med}
-            base = med.get(TREE)
+            results[f"{layer}:{m}"] = {"configs": {label: str(c) for label, c in configs.items()}, "us": med}
+            base = med.get(RULE)
             print(f"{layer:8s} M={m:3d} " + "  ".join(
-                f"{label} {t:7.2f}" + (f" ({base / t:.3f}x)" if base and label != TREE else "")
+                f"{label} {t:7.2f}" + (f" ({base / t:.3f}x)" if base and label != RULE else "")
                 for label, t in med.items()), flush=True)
     use(TREE_SOURCE)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mma-variants.json").write_text(json.dumps(results, indent=1))
+    (out / "mma-variants.json").write_text(json.dumps({"served": served, "results": results}, indent=1))
     for f in failures:
         print("CHECK FAILED:", f)
     return 1 if failures else 0
 
 
+def with_mma(tw, rows: int, config: mma.MmaConfig):
+    """A copy of the served layer `tw` whose mma route takes `config` at `rows` rows, its instance loaded now
+    (not inside a graph capture)."""
+    configs = list(tw.mma)
+    configs[rows - 1] = config
+    mma.kernel(rows, config, torch.bfloat16, tw.packed.device)
+    return dataclasses.replace(tw, mma=tuple(configs))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", action="append", help="NAME=PATCH[+PATCH...] (paths, or names in "
-                    f"{VARIANTS_DIR.name}/); default: {', '.join(DEFAULT_VARIANTS)}")
+    ap.add_argument("--flags", action="append", help="NAME=FIELD=0|1[,...]: the rule's configurations with these "
+                    f"fields set ({', '.join(FLAG_FIELDS)}); default: " + ", ".join(DEFAULT_FLAGS))
+    ap.add_argument("--variant", action="append", help="NAME=PATCH[+PATCH...]: the tree's mma.cu with patches "
+                    f"applied (paths, or names in benchmarks/{VARIANTS_DIR.name}/)")
     ap.add_argument("--ms", default="16,24,32,48,64")
     ap.add_argument("--layers", default=",".join(s[0] for s in bk.SHAPES))
+    ap.add_argument("--served", action="store_true", help="time the layer as served (ternary_linear), not the kernel")
     ap.add_argument("--resources", action="store_true", help="registers and instructions only (no GPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".cache/bench-mma-variants"))
     args = ap.parse_args(argv)
     ms, layers = [int(v) for v in args.ms.split(",")], args.layers.split(",")
-    sources = {TREE: TREE_SOURCE}
-    for name, patches in parse_variants(args.variant).items():
-        try:
-            sources[name] = build(patches)
-        except subprocess.CalledProcessError as e:
-            raise SystemExit(f"variant {name}: {' + '.join(map(str, patches))} does not apply to the tree's mma.cu "
-                             f"({e.stderr.strip()}); regenerate the patch against it") from e
+    variants = {RULE: Variant(TREE_SOURCE), **parse_variants(args.flags, args.variant)}
     if args.resources:
-        print_resources(sources, ms, layers)
+        print_resources(variants, ms, layers)
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("mma_variants: timing needs a CUDA GPU (--resources runs without one)")
-    return time_variants(sources, ms, layers, Path(args.out))
+    return time_variants(variants, ms, layers, args.served, Path(args.out))
 
 
 if __name__ == "__main__":

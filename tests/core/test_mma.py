@@ -264,6 +264,35 @@ def test_flat_stages_name_their_instance_and_where_the_rule_takes_them(kern):
     assert not any(mma.default_config(m, n, k, mma.RTX_5070).flat for m in range(2, 65) for k, n in LAYERS.values())
 
 
+def test_code_shape_flags_name_their_instance_and_where_the_rule_takes_them(kern):
+    mma = kern.mma
+    plain = mma.MmaConfig(4, 1, 1, False, stages=2, gps=4)
+    offsets = dataclasses.replace(plain, row_offsets=True)
+    both = dataclasses.replace(offsets, const_start=True)
+    # the flags follow KS and FLAT in the template: the defaults before them are spelled out, trailing ones not
+    assert mma.template(16, offsets, torch.bfloat16) == "ternary_mma<2, 1, 4, 1, false, 1, 2, 4, 1, false, true>"
+    assert mma.template(16, both, torch.bfloat16).endswith(", 2, 4, 1, false, true, true>")
+    assert mma.template(16, dataclasses.replace(plain, const_start=True), torch.bfloat16).endswith(
+        ", 1, false, false, true>")
+    assert mma.template(64, dataclasses.replace(offsets, flat=True, wm=2), torch.bfloat16).endswith(
+        ", 2, 4, 1, true, true>")
+    for cfg in (offsets, both):
+        assert mma.MmaConfig.parse(str(cfg)) == cfg and cfg.shared_bytes(2) == plain.shared_bytes(2)
+    assert "offsets" not in str(plain) and str(both).endswith(" offsets=1 cstart=1")
+    # the H100 A/B (twenty-third session, docs/benchmarks.md table 3): both at 9-32 rows on qkv, GDN-in, o_proj and
+    # GDN-out, and on gate_up at 41-48; the offsets alone from 49 rows on all but down_proj; never on down_proj,
+    # at one column tile, or on the RTX 50's tables (unmeasured)
+    rule = {name: [(m, int(c.row_offsets), int(c.const_start)) for m in range(2, 65)
+                   for c in [mma.default_config(m, n, k)] if c.row_offsets or c.const_start]
+            for name, (k, n) in LAYERS.items()}
+    assert rule["down"] == []
+    assert rule["gate_up"] == rule["lm_head"] == [(m, 1, 1) for m in range(41, 49)] + [(m, 1, 0) for m in range(49, 65)]
+    for name in ("qkv", "gdn_in", "o_proj", "gdn_out"):
+        assert rule[name] == [(m, 1, 1) for m in range(9, 33)] + [(m, 1, 0) for m in range(49, 65)], name
+    assert not any(c.row_offsets or c.const_start for m in range(2, 65) for k, n in LAYERS.values()
+                   for c in [mma.default_config(m, n, k, mma.RTX_5070)])
+
+
 def test_shared_bytes_match_the_kernels_layout(kern):
     # PipeStage, in words: codes [64 rows][8 GPS (+4 at GPS 4)] + x8 (+ r8) [8T · 4][8 GPS]
     # + scalars [GPS][2 or 4][8T] + weight scales [64 rows][GPS / 2 + 1]

@@ -166,7 +166,15 @@ struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loa
   static __device__ __forceinline__ int chunk(int ml, int q) { return ml * C + (q ^ ((ml / (8 / C)) % C)); }
 };
 
-template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS, int KS = 1, bool FLAT = false>
+// Two code-shape options, off by default, that the rule turns on per instance (mma.py's _ROW_OFFSETS, _CONST_START):
+// each cuts instructions per stage (table 2 of docs/benchmarks.md' twenty-third-session section) but moves ptxas'
+// register allocation, 1.05-1.14x faster where the registers still fit as many CTAs per SM, 0.80-0.93x slower
+// where they cost one. Off, each compiles to the kernel from before it (the same SASS).
+// - ROW_OFFSETS: each copy's source is a byte offset (u · row_bytes) from one pointer per stage, and the activation
+//   copies are predicated on a per-thread count of batch-row chunks rather than a comparison per copy.
+// - CONST_START: every mma starts from the constant MAGIC, and the float tail subtracts MAGIC + Σx8's float.
+template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS, int KS = 1, bool FLAT = false,
+          bool ROW_OFFSETS = false, bool CONST_START = false>
 __global__ void __launch_bounds__(WARPS * WM * KS * 32)
 ternary_mma(const u32* __restrict__ codes,   // [N, KW]
             const u16* __restrict__ scales,  // fp16 [N, G]
@@ -228,6 +236,7 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
   constexpr int N_SC = (GPS * S::NS * S::MP + NT - 1) / NT, N_WS = (S::ROWS * S::WS + NT - 1) / NT;
   const int q = threadIdx.x % S::C, first = threadIdx.x / S::C;  // chunk column; first row (or ml)
   const long step_words = (long)STEP * KW;
+  const int row_bytes = STEP * KW * 4;  // ROW_OFFSETS: bytes between one thread's chunks
   const u32* code_src = codes + (long)(cta_row0 + first) * KW + 8 * g0 + 4 * q;
   const u32 code_dst = shared_address(stage[0].codes + first * S::CWP + 4 * q);
   const u32* x_src[S::NX];
@@ -235,6 +244,8 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
   for (int v = 0; v < S::NX; ++v) x_src[v] = (v ? xr : xa) + (long)first * KW + 8 * g0 + 4 * q;
   const u32 x_dst = shared_address(stage[0].x[0] + 4 * S::chunk(first, q));
   const int x_rows = 4 * M;  // ml below this are batch rows of the call
+  // ROW_OFFSETS: this thread's activation chunks that are batch rows of the call (u < x_chunks)
+  const int x_chunks = x_rows > first ? (x_rows - first + STEP - 1) / STEP : 0;
   const u32* sc_src[N_SC];
   u32 sc_dst[N_SC];
   int sc_grp[N_SC];
@@ -269,10 +280,18 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
     const int grp0 = g0 + GPS * i, ngrp = min(GPS, g1 - grp0);  // the stage's groups inside the slice
     const long k_words = 8L * GPS * i;
     const bool in_slice = q / 2 < ngrp;
+    if constexpr (ROW_OFFSETS) {
+      const char* src = reinterpret_cast<const char*>(code_src) + 32 * GPS * i;
 #pragma unroll
-    for (int u = 0; u < N_CODE; ++u)
-      copy16(code_dst + at + u * STEP * S::CWP * 4, code_src + u * step_words + k_words,
-             in_slice && ((u + 1) * STEP <= S::ROWS || first + u * STEP < S::ROWS));
+      for (int u = 0; u < N_CODE; ++u)
+        copy16(code_dst + at + u * STEP * S::CWP * 4, src + u * row_bytes,
+               in_slice && ((u + 1) * STEP <= S::ROWS || first + u * STEP < S::ROWS));
+    } else {
+#pragma unroll
+      for (int u = 0; u < N_CODE; ++u)
+        copy16(code_dst + at + u * STEP * S::CWP * 4, code_src + u * step_words + k_words,
+               in_slice && ((u + 1) * STEP <= S::ROWS || first + u * STEP < S::ROWS));
+    }
 #pragma unroll
     for (int u = 0; u < N_WS; ++u) {
       const int word = (grp0 >> 1) + ws_word[u];  // holds groups 2 word and 2 word + 1
@@ -284,12 +303,23 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
     const int grp0 = g0 + GPS * i, ngrp = min(GPS, g1 - grp0);
     const long k_words = 8L * GPS * i;
     const bool in_slice = q / 2 < ngrp;
+    if constexpr (ROW_OFFSETS) {
 #pragma unroll
-    for (int u = 0; u < N_X; ++u)
+      for (int v = 0; v < S::NX; ++v) {
+        const char* src = reinterpret_cast<const char*>(x_src[v]) + 32 * GPS * i;
 #pragma unroll
-      for (int v = 0; v < S::NX; ++v)
-        copy16(x_dst + at + u * STEP * S::C * 16 + v * (u32)sizeof(stage[0].x[0]), x_src[v] + u * step_words + k_words,
-               in_slice && first + u * STEP < x_rows);
+        for (int u = 0; u < N_X; ++u)
+          copy16(x_dst + at + u * STEP * S::C * 16 + v * (u32)sizeof(stage[0].x[0]), src + u * row_bytes,
+                 in_slice && u < x_chunks);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < N_X; ++u)
+#pragma unroll
+        for (int v = 0; v < S::NX; ++v)
+          copy16(x_dst + at + u * STEP * S::C * 16 + v * (u32)sizeof(stage[0].x[0]),
+                 x_src[v] + u * step_words + k_words, in_slice && first + u * STEP < x_rows);
+    }
 #pragma unroll
     for (int u = 0; u < N_SC; ++u) copy4(sc_dst[u] + at, sc_src[u] + GPS * i, sc_grp[u] < ngrp);
   };
@@ -383,7 +413,10 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
         // Columns 8j + 2t and 8j + 2t + 1 of the accumulator; their scalars are zeros past M. The int32
         // accumulator starts at MAGIC - Σx8, so after the mma its bits are the float 1.5 · 2^23 + (Σ u·x8 - Σx8)
         // exactly (|Σ u·x8 - Σx8| < 2^16): one float subtraction instead of an int-to-float conversion, which
-        // runs at a quarter of the rate and bound this loop at 16-64 rows.
+        // runs at a quarter of the rate and bound this loop at 16-64 rows. CONST_START: the accumulator starts at
+        // MAGIC, so its bits are the float 1.5 · 2^23 + Σ u·x8 (|Σ u·x8| < 2^15), and the subtraction of the float
+        // 1.5 · 2^23 + Σx8 (MAGIC + Σx8's bits, exact too) leaves the same value: two moves per column pair and
+        // group fewer, and the first mma no longer waits for the scalars' load.
         const int m0 = 8 * j + 2 * t;
         const u32x4 p1 = *reinterpret_cast<const u32x4*>(&s.scalars[gi][m0 / 2][0][0]);  // s1 (2), Σx8 (2)
         const float2 s1 = make_float2(__int_as_float(p1.x), __int_as_float(p1.y));
@@ -395,25 +428,30 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
           s2 = make_float2(__int_as_float(p2.x), __int_as_float(p2.y));
           x2 = make_int2(p2.z, p2.w);
         }
+        // the mma's start (c1, c2) and what the float tail subtracts (f1, f2), per column of the pair
+        const int2 c1 = CONST_START ? make_int2(MAGIC, MAGIC) : make_int2(MAGIC - x1.x, MAGIC - x1.y);
+        const int2 c2 = CONST_START ? make_int2(MAGIC, MAGIC) : make_int2(MAGIC - x2.x, MAGIC - x2.y);
+        const float2 f1 = CONST_START ? make_float2(__int_as_float(MAGIC + x1.x), __int_as_float(MAGIC + x1.y))
+                                      : make_float2(MAGIC_F, MAGIC_F);
+        const float2 f2 = CONST_START ? make_float2(__int_as_float(MAGIC + x2.x), __int_as_float(MAGIC + x2.y))
+                                      : make_float2(MAGIC_F, MAGIC_F);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           int c[4], cr[4];
-          mma_s8_from(c, a[r][0][0], a[r][0][1], a[r][0][2], a[r][0][3], b[0], b[1], MAGIC - x1.x, MAGIC - x1.y);
-          if (RES)
-            mma_s8_from(cr, a[r][0][0], a[r][0][1], a[r][0][2], a[r][0][3], br[0], br[1], MAGIC - x2.x,
-                        MAGIC - x2.y);
+          mma_s8_from(c, a[r][0][0], a[r][0][1], a[r][0][2], a[r][0][3], b[0], b[1], c1.x, c1.y);
+          if (RES) mma_s8_from(cr, a[r][0][0], a[r][0][1], a[r][0][2], a[r][0][3], br[0], br[1], c2.x, c2.y);
 #pragma unroll
           for (int q = 1; q < 4; ++q) {
             mma_s8(c, a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], b[2 * q], b[2 * q + 1]);
             if (RES) mma_s8(cr, a[r][q][0], a[r][q][1], a[r][q][2], a[r][q][3], br[2 * q], br[2 * q + 1]);
           }
-          float v0 = s1.x * (__int_as_float(c[0]) - MAGIC_F), v1 = s1.y * (__int_as_float(c[1]) - MAGIC_F);
-          float v2 = s1.x * (__int_as_float(c[2]) - MAGIC_F), v3 = s1.y * (__int_as_float(c[3]) - MAGIC_F);
+          float v0 = s1.x * (__int_as_float(c[0]) - f1.x), v1 = s1.y * (__int_as_float(c[1]) - f1.y);
+          float v2 = s1.x * (__int_as_float(c[2]) - f1.x), v3 = s1.y * (__int_as_float(c[3]) - f1.y);
           if (RES) {
-            v0 += s2.x * (__int_as_float(cr[0]) - MAGIC_F);
-            v1 += s2.y * (__int_as_float(cr[1]) - MAGIC_F);
-            v2 += s2.x * (__int_as_float(cr[2]) - MAGIC_F);
-            v3 += s2.y * (__int_as_float(cr[3]) - MAGIC_F);
+            v0 += s2.x * (__int_as_float(cr[0]) - f2.x);
+            v1 += s2.y * (__int_as_float(cr[1]) - f2.y);
+            v2 += s2.x * (__int_as_float(cr[2]) - f2.x);
+            v3 += s2.y * (__int_as_float(cr[3]) - f2.y);
           }
           acc[r][jj][0] += sa[gi][r] * v0;
           acc[r][jj][1] += sa[gi][r] * v1;

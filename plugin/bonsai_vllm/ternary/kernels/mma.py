@@ -48,11 +48,14 @@ class MmaConfig:
     wm: int = 1  # warps along the batch: each takes 1/wm of the column tiles
     ks: int = 1  # warps along K inside the CTA: each takes every ks-th group of a stage (warps · wm · ks warps)
     flat: bool = False  # a whole stage's groups with no branch between them (more registers; mma.cu's FLAT)
+    row_offsets: bool = False  # copies addressed by byte offsets from one pointer per stage (mma.cu's ROW_OFFSETS)
+    const_start: bool = False  # every mma started from a constant (mma.cu's CONST_START)
 
     def __str__(self) -> str:
         return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)} "
                 f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else "")
-                + (f" ks={self.ks}" if self.ks > 1 else "") + (" flat=1" if self.flat else ""))
+                + (f" ks={self.ks}" if self.ks > 1 else "") + (" flat=1" if self.flat else "")
+                + (" offsets=1" if self.row_offsets else "") + (" cstart=1" if self.const_start else ""))
 
     @classmethod
     def parse(cls, text: str) -> "MmaConfig":
@@ -60,7 +63,8 @@ class MmaConfig:
         fields = dict(part.split("=") for part in text.split())
         return cls(warps=int(fields["warps"]), rtiles=int(fields["rtiles"]), split=int(fields["split"]),
                    residual=fields["residual"] == "1", stages=int(fields["stages"]), gps=int(fields["gps"]),
-                   wm=int(fields.get("wm", 1)), ks=int(fields.get("ks", 1)), flat=fields.get("flat") == "1")
+                   wm=int(fields.get("wm", 1)), ks=int(fields.get("ks", 1)), flat=fields.get("flat") == "1",
+                   row_offsets=fields.get("offsets") == "1", const_start=fields.get("cstart") == "1")
 
     def tiles(self, m: int) -> int:
         """Column tiles of the instance that runs m rows: 8 rows each, rounded up to a multiple of wm, and seven
@@ -186,6 +190,16 @@ _RTX_DEEP = {**_RTX_OTHER, **_RTX_FROM_25, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 1, 2
 # docs/benchmarks.md). Elsewhere the registers it adds lost up to 1.25x (gate_up at 41-48 rows: 192 registers
 # against 168, two CTAs per SM instead of three; down_proj from 25 rows). Not on the RTX 50's tables: unmeasured.
 _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow": {7, 8}}, True: {}}
+# Column tiles T at which the table's instance addresses its copies by byte offsets (MmaConfig.row_offsets) and, of
+# those, at which it also starts every mma from a constant (MmaConfig.const_start): each cuts instructions per
+# stage, and together 19 % on gate_up's 64-row instance. Taken where the pair, or the offsets alone, ran
+# 1.04-1.14x faster than the instance without them, kernel alone on an H100 (twenty-third session, docs/benchmarks.md
+# table 3; the offsets alone were within 2 % at 16-32 rows): both at 16-32 rows on qkv, GDN-in and o_proj, and on
+# gate_up at 41-48; the offsets alone from 49 rows on all but down_proj. Elsewhere they were level or lost
+# 0.80-0.93x, where the registers they moved cost a CTA per SM (down_proj from 33 rows; the three-stage instance at
+# 33-40). Not on the RTX 50's tables: unmeasured, and they move registers there too.
+_ROW_OFFSETS = {False: {"wide": {6, 7, 8}, "other": {2, 3, 4, 7, 8}, "shallow": {2, 3, 4, 7, 8}}, True: {}}
+_CONST_START = {False: {"wide": {6}, "other": {2, 3, 4}, "shallow": {2, 3, 4}}, True: {}}
 _TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _OTHER, "other": _OTHER},
            True: {"deep": _RTX_DEEP, "wide": _RTX_WIDE, "shallow": _RTX_SHALLOW, "other": _RTX_OTHER}}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
@@ -212,7 +226,9 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200) -> MmaConfig | None:
     cls, tiles = layer_class(n, k), -(-m // 8)
     warps, rtiles, stages, gps, wm, per_sm, min_groups, *ks = _TABLES[gpu.rtx50][cls][tiles]
     cfg = MmaConfig(warps=warps, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps,
-                    wm=wm, ks=ks[0] if ks else 1, flat=tiles in _FLAT[gpu.rtx50].get(cls, ()))
+                    wm=wm, ks=ks[0] if ks else 1, flat=tiles in _FLAT[gpu.rtx50].get(cls, ()),
+                    row_offsets=tiles in _ROW_OFFSETS[gpu.rtx50].get(cls, ()),
+                    const_start=tiles in _CONST_START[gpu.rtx50].get(cls, ()))
     if n % cfg.rows_per_cta():
         return None
     return replace(cfg, split=k_slices(n // cfg.rows_per_cta(), groups, per_sm, min_groups, gpu.sms))
@@ -229,10 +245,15 @@ def k_slices(row_tiles: int, groups: int, per_sm: float, min_groups: int, sms: i
 
 def template(rows: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
     """The C++ name (NVRTC name expression) of the kernel instance that runs `rows` batch rows: its column tiles
-    are config.tiles(rows), the one place that count is worked out."""
-    return (f"ternary_mma<{config.tiles(rows)}, {config.rtiles}, {config.warps}, {config.wm}, {str(config.residual).lower()}, "
-            f"{_OUT[out_dtype]}, {config.stages}, {config.gps}"
-            + (f", {config.ks}, true>" if config.flat else f", {config.ks}>" if config.ks > 1 else ">"))
+    are config.tiles(rows), the one place that count is worked out. The template's trailing defaults (KS = 1 and
+    the code-shape flags off) are left out, so an instance keeps the name, and the cache entry, it had before
+    they existed."""
+    args = [config.tiles(rows), config.rtiles, config.warps, config.wm, str(config.residual).lower(), _OUT[out_dtype],
+            config.stages, config.gps]
+    optional = [config.ks, *(str(f).lower() for f in (config.flat, config.row_offsets, config.const_start))]
+    while optional and optional[-1] in (1, "false"):  # the template's defaults: KS = 1, the flags off
+        optional.pop()
+    return f"ternary_mma<{', '.join(map(str, args + optional))}>"
 
 
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
