@@ -6,9 +6,9 @@
 
 Two kinds of variant, each against "rule" (the tree's mma.cu at the configurations mma.default_config picks):
 - `--flags`: the rule's configurations with code-shape fields set (`flat`, `offsets`, `cstart`: MmaConfig.flat,
-  .row_offsets, .const_start), the tree's source. Without `--flags` or `--variant`: the rule's code-shape flags all
-  off ("none"), the offsets alone, and the offsets with the constant start, so one run measures each flag's worth
-  where the rule takes it and where it does not.
+  .row_offsets, .const_start, .tma), the tree's source. Without `--flags` or `--variant`: the rule without tensor
+  copies ("notma"), and with the constant start everywhere ("cstart") and nowhere ("nocstart"), so one run measures
+  each flag's worth where the rule takes it and where it does not.
 - `--variant`: the tree's mma.cu with one or more patches applied in order (`git apply`, in a temporary folder
   beside a copy of common.cuh), at the rule's configurations: an edit to try before it becomes a flag.
 - `--resources` (no GPU): registers, stack bytes and SASS instructions of each instance launched at `--ms`, for
@@ -42,8 +42,9 @@ VARIANTS_DIR = Path(__file__).with_name("variants")
 RULE = "rule"
 TREE_SOURCE = mma.SOURCE  # the tree's own mma.cu (use() repoints mma.SOURCE at a variant)
 # `--flags` field names: MmaConfig.__str__'s
-FLAG_FIELDS = {"flat": "flat", "offsets": "row_offsets", "cstart": "const_start"}
-DEFAULT_FLAGS = {"none": "offsets=0,cstart=0", "offsets": "offsets=1,cstart=0", "offsets+cstart": "offsets=1,cstart=1"}
+FLAG_FIELDS = {"flat": "flat", "offsets": "row_offsets", "cstart": "const_start", "tma": "tma"}
+# the rule against itself without tensor copies, and with the constant start everywhere and nowhere
+DEFAULT_FLAGS = {"notma": "tma=0", "cstart": "cstart=1", "nocstart": "cstart=0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +234,7 @@ def with_mma(tw, rows: int, config: mma.MmaConfig):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flags", action="append", help="NAME=FIELD=0|1[,...]: the rule's configurations with these "
-                    f"fields set ({', '.join(FLAG_FIELDS)}); default: " + ", ".join(DEFAULT_FLAGS))
+                    f"fields set ({', '.join(FLAG_FIELDS)}); default: " + ", ".join(f"{k}={v}" for k, v in DEFAULT_FLAGS.items()))
     ap.add_argument("--variant", action="append", help="NAME=PATCH[+PATCH...]: the tree's mma.cu with patches "
                     f"applied (paths, or names in benchmarks/{VARIANTS_DIR.name}/)")
     ap.add_argument("--ms", default="16,24,32,48,64")

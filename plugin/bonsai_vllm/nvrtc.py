@@ -8,6 +8,7 @@ The serving image has no nvcc and no CUDA toolkit (CUDA_HOME unset), so a CUDA C
     kernel(grid=(g, 1, 1), block=(128, 1, 1), args=[tensor, ..., 7])         # on the current stream
     launch(kernel, (g, 1, 1), (128, 1, 1), [tensor, ..., 7], early=True)     # may start before the kernel
                                                                              # ahead of it ends (sm_90+)
+    launch(kernel, grid, block, [tensor, ..., tensor_map(codes, (32, 64), 128)])  # a TMA descriptor by value
 
 `compile_cuda` needs no GPU (make compile-check compiles for sm_90 and sm_120 on CPU machines).
 `torch.cuda._compile_kernel` does the same but insists on CUDA_HOME's headers, which the image lacks; the
@@ -102,8 +103,9 @@ def launch(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args
     of it on the stream (cuLaunchKernelEx with programmatic stream serialization, sm_90 and later; captured
     into CUDA graphs as a programmatic edge): it may start once that kernel has called
     `griddepcontrol.launch_dependents` (triton_runtime.launch_dependents) and must `griddepcontrol.wait` before
-    it reads anything that kernel writes. Without `early`, the kernel's own ordinary launch."""
-    if not early:
+    it reads anything that kernel writes. Without `early`, the kernel's own ordinary launch. Arguments: tensors
+    (their data pointer), ints, and `bytes` (a struct passed by value, such as a `tensor_map`)."""
+    if not early and not any(isinstance(a, bytes) for a in args):
         kernel(grid=grid, block=block, args=args, shared_mem=shared_mem)
         return
     from torch.cuda._utils import _get_gpu_runtime_library
@@ -114,17 +116,58 @@ def launch(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args
             keep.append(ctypes.c_void_p(a.data_ptr()))
         elif isinstance(a, int):
             keep.append(ctypes.c_int(a))
+        elif isinstance(a, bytes):
+            keep.append((ctypes.c_char * len(a)).from_buffer_copy(a))
         else:
-            raise TypeError(f"nvrtc.launch: argument of type {type(a).__name__}; tensors and ints only")
+            raise TypeError(f"nvrtc.launch: argument of type {type(a).__name__}; tensors, ints and bytes only")
         params.append(ctypes.cast(ctypes.byref(keep[-1]), ctypes.c_void_p))
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attr.value[0] = 1  # programmaticStreamSerializationAllowed
     config = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                           ctypes.pointer(attr), 1)
+                           ctypes.pointer(attr), 1 if early else 0)
     libcuda = _get_gpu_runtime_library()
     code = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, (ctypes.c_void_p * len(params))(*params), None)
     if code:
         raise NvrtcError(f"cuLaunchKernelEx failed with CUresult {code}")
+
+
+# cuTensorMapEncodeTiled's enums (cuda.h): CU_TENSOR_MAP_DATA_TYPE_UINT32, the swizzle per box row length in bytes
+# (CU_TENSOR_MAP_SWIZZLE_32B / 64B / 128B), CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+_TENSOR_MAP_UINT32 = 2
+_TENSOR_MAP_SWIZZLE = {32: 1, 64: 2, 128: 3}
+_TENSOR_MAP_L2_256B = 3
+
+
+@functools.lru_cache(maxsize=4096)
+def _encode_tensor_map(address: int, rows: int, cols: int, row_bytes: int, box: tuple[int, int]) -> bytes:
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    libcuda = _get_gpu_runtime_library()
+    encode = libcuda.cuTensorMapEncodeTiled
+    encode.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                       ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    out = (ctypes.c_uint64 * 16)()  # CUtensorMap: 128 bytes, 64-byte aligned in the kernel's parameters
+    code = encode(out, _TENSOR_MAP_UINT32, 2, ctypes.c_void_p(address), (ctypes.c_uint64 * 2)(cols, rows),
+                  (ctypes.c_uint64 * 1)(row_bytes), (ctypes.c_uint32 * 2)(*box), (ctypes.c_uint32 * 2)(1, 1),
+                  0, _TENSOR_MAP_SWIZZLE[4 * box[0]], _TENSOR_MAP_L2_256B, 0)
+    if code:
+        raise NvrtcError(f"cuTensorMapEncodeTiled failed with CUresult {code} (rows {rows}, columns {cols}, row "
+                         f"stride {row_bytes} bytes, box {box}): the address and row stride must be multiples of 16 "
+                         "bytes, and a box at most 256 × 256 elements with 32, 64 or 128-byte rows")
+    return bytes(out)
+
+
+def tensor_map(t: torch.Tensor, box: tuple[int, int]) -> bytes:
+    """The TMA descriptor (CUtensorMap, 128 bytes, for `launch` by value) of a 2D tensor of 32-bit words on the
+    GPU: boxes of box[0] words × box[1] rows, each box row's 16-byte chunks swizzled by its length (box[0] · 4 =
+    32, 64 or 128 bytes: chunk c of row r lands at c ^ ((r / (8 / C)) % C), C chunks per row), rows past the
+    tensor read as zeros. Encoded once per tensor address, shape and box (the driver call costs microseconds)."""
+    if t.dim() != 2 or t.element_size() != 4 or t.stride(1) != 1:
+        raise ValueError(f"nvrtc.tensor_map: a 2D tensor of 32-bit words, unit stride along a row; got "
+                         f"{tuple(t.shape)} of {t.dtype}, strides {t.stride()}")
+    return _encode_tensor_map(t.data_ptr(), t.shape[0], t.shape[1], 4 * t.stride(0), tuple(box))
 
 
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -279,17 +279,24 @@ def test_code_shape_flags_name_their_instance_and_where_the_rule_takes_them(kern
     for cfg in (offsets, both):
         assert mma.MmaConfig.parse(str(cfg)) == cfg and cfg.shared_bytes(2) == plain.shared_bytes(2)
     assert "offsets" not in str(plain) and str(both).endswith(" offsets=1 cstart=1")
-    # the H100 A/B (twenty-third session, docs/benchmarks.md table 3): both at 9-32 rows on qkv, GDN-in, o_proj and
-    # GDN-out, and on gate_up at 41-48; the offsets alone from 49 rows on all but down_proj; never on down_proj,
-    # at one column tile, or on the RTX 50's tables (unmeasured)
-    rule = {name: [(m, int(c.row_offsets), int(c.const_start)) for m in range(2, 65)
-                   for c in [mma.default_config(m, n, k)] if c.row_offsets or c.const_start]
-            for name, (k, n) in LAYERS.items()}
-    assert rule["down"] == []
-    assert rule["gate_up"] == rule["lm_head"] == [(m, 1, 1) for m in range(41, 49)] + [(m, 1, 0) for m in range(49, 65)]
-    for name in ("qkv", "gdn_in", "o_proj", "gdn_out"):
-        assert rule[name] == [(m, 1, 1) for m in range(9, 33)] + [(m, 1, 0) for m in range(49, 65)], name
-    assert not any(c.row_offsets or c.const_start for m in range(2, 65) for k, n in LAYERS.values()
+    # the H100 A/B, served (twenty-fourth session, docs/benchmarks.md): tensor copies (tma) on every instance but
+    # the three-stage one of o_proj / GDN-out / down_proj and one column tile of the narrower layers; the constant
+    # start where it won beside them; the offsets nowhere (tensor copies replaced them where they won)
+    def rows(field):
+        return {name: [m for m in range(2, 65) if getattr(mma.default_config(m, n, k), field)]
+                for name, (k, n) in LAYERS.items()}
+    tma, cstart = rows("tma"), rows("const_start")
+    assert tma["gate_up"] == tma["lm_head"] == list(range(2, 65))
+    assert tma["down"] == [*range(2, 33), *range(41, 65)]
+    assert tma["qkv"] == tma["gdn_in"] == list(range(9, 65))
+    assert tma["o_proj"] == tma["gdn_out"] == [*range(9, 33), *range(41, 65)]
+    assert cstart["gate_up"] == cstart["lm_head"] == [*range(9, 25), *range(33, 65)]
+    assert cstart["down"] == list(range(17, 25))
+    assert cstart["qkv"] == cstart["gdn_in"] == list(range(2, 65))
+    assert cstart["o_proj"] == cstart["gdn_out"] == [*range(2, 33), *range(49, 65)]
+    assert not any(rows("row_offsets").values())
+    # unmeasured on an RTX 50 card: its rule takes none of them
+    assert not any(c.row_offsets or c.const_start or c.tma for m in range(2, 65) for k, n in LAYERS.values()
                    for c in [mma.default_config(m, n, k, mma.RTX_5070)])
 
 
@@ -358,6 +365,28 @@ def test_nvrtc_compiles_the_served_instances_without_a_gpu(kern, arch):
         source, headers = nvrtc.kernel_source(kern.mma.SOURCE)  # with the common.cuh it includes
         cubin, symbol = nvrtc.compile_cuda(source, name, arch, headers=headers)
         assert cubin[:4] == b"\x7fELF" and symbol.startswith("_Z11ternary_mma"), (name, symbol)
+
+
+@pytest.mark.parametrize("arch", ["90", "120"])
+def test_the_tensor_copy_route_compiles_to_tensor_copies(kern, arch):
+    """mma.cu's TMA instances (MmaConfig.tma; the sm_90 rule's on most instances, built for sm_120 too): one bulk
+    tensor copy per operand and stage in place of the per-thread 16-byte cp.async of the codes and activations (the
+    scalars keep theirs), and a launch size that holds the 1024-byte-aligned stages."""
+    from tools.compile_check import dump_cubin
+
+    nvrtc = _nvrtc_or_skip()
+    mma = kern.mma
+    for m, residual in ((4, True), (64, False)):
+        cfg = dataclasses.replace(mma.default_config(m, 5120, 3072), residual=residual, tma=False)
+        tma = dataclasses.replace(cfg, tma=True)
+        name = mma.template(m, tma, torch.bfloat16)
+        assert name.endswith(", true, TensorMap, TensorMap, TensorMap>")
+        assert mma.MmaConfig.parse(str(tma)) == tma and str(tma).endswith(" tma=1")
+        assert tma.fits(tma.tiles(m)) and tma.shared_bytes(tma.tiles(m)) % 1024 == 0
+        sass = {c: dump_cubin(nvrtc.compile_file(mma.SOURCE, mma.template(m, c, torch.bfloat16), arch)[0], "-sass")
+                for c in (cfg, tma)}
+        assert "UTMALDG" in sass[tma] and "UTMALDG" not in sass[cfg]
+        assert sass[tma].count("LDGSTS") < sass[cfg].count("LDGSTS") / 2  # the scalars' copies stay per thread
 
 
 def test_nvrtc_headers_resolve_includes():

@@ -23,19 +23,20 @@ mma = mma_variants.mma
 def test_default_variants_switch_the_rules_code_shape_flags():
     variants = mma_variants.parse_variants(None, None)
     assert list(variants) == list(mma_variants.DEFAULT_FLAGS)
-    # gate_up's 64-row instance on the H100 / H200 rule takes the offsets alone (twenty-third session, table 3)
+    # gate_up's 64-row instance on the H100 / H200 rule takes tensor copies and the constant start
     (m, rule), = mma_variants.rule_configs([64], ["gate_up"], mma.H200).values()
-    assert rule.row_offsets and not rule.const_start
-    none, offsets, both = (variants[name].config(rule) for name in ("none", "offsets", "offsets+cstart"))
-    assert offsets == rule and none == dataclasses.replace(rule, row_offsets=False)
-    assert both == dataclasses.replace(rule, const_start=True)
-    assert mma.template(m, both, torch.bfloat16).endswith(", true, true, true>")  # flat, offsets, constant start
+    assert rule.tma and rule.const_start
+    notma, cstart, nocstart = (variants[name].config(rule) for name in ("notma", "cstart", "nocstart"))
+    assert notma == dataclasses.replace(rule, tma=False) and cstart == rule
+    assert nocstart == dataclasses.replace(rule, const_start=False)
+    assert mma.template(m, notma, torch.bfloat16).endswith(", 1, true, false, true>")  # flat, no offsets, cstart
     assert all(v.source == mma_variants.TREE_SOURCE for v in variants.values())
 
 
 def test_flag_variants_build_other_kernels_of_the_same_instance():
     (m, rule), = mma_variants.rule_configs([64], ["gate_up"], mma.H200).values()
-    names = {flags: mma.template(m, dataclasses.replace(rule, row_offsets=o, const_start=c), torch.bfloat16)
+    cp_async = dataclasses.replace(rule, tma=False)  # the offsets change the per-thread copies that tma replaces
+    names = {flags: mma.template(m, dataclasses.replace(cp_async, row_offsets=o, const_start=c), torch.bfloat16)
              for flags in ((False, False), (True, False), (True, True)) for o, c in [flags]}
     counts = {flags: mma_variants.resources(mma_variants.TREE_SOURCE, name, "90") for flags, name in names.items()}
     for regs, stack, count in counts.values():
@@ -69,7 +70,7 @@ def test_bad_specs_and_stale_patches_say_what_is_wrong(tmp_path):
     bad.write_text("diff --git a/mma.cu b/mma.cu\n--- a/mma.cu\n+++ b/mma.cu\n@@ -1,1 +1,1 @@\n-no such line\n+x\n")
     with pytest.raises(SystemExit, match="stale.patch does not apply to the tree's mma.cu"):
         mma_variants.main(["--variant", f"stale={bad}", "--resources", "--ms", "64", "--layers", "gate_up"])
-    with pytest.raises(SystemExit, match="FIELD one of flat, offsets, cstart"):
+    with pytest.raises(SystemExit, match="FIELD one of flat, offsets, cstart, tma"):
         mma_variants.parse_variants(["x=offset=1"], None)
     with pytest.raises(SystemExit, match="NAME not 'rule'"):
         mma_variants.parse_variants(["rule=offsets=1"], None)

@@ -147,11 +147,47 @@ __device__ __forceinline__ void copy_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
-template <int T, int R, int WARPS, bool RES, int STAGES, int GPS>
-struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loads
+// The tensor-map route (ternary_mma_tma): a stage's codes and activations each come in one bulk tensor copy
+// (cp.async.bulk.tensor, "TMA") that one thread issues and that completes on the stage's mbarrier, in place of 13
+// or so 16-byte cp.async per thread (their address arithmetic was a fifth of the stage loop's instructions at
+// 64 rows: docs/benchmarks.md, twenty-third session). The maps are encoded on the host (mma.py, nvrtc.tensor_map)
+// and passed by value; the hardware writes each box row's 16-byte chunks swizzled (the 32-, 64- or 128-byte
+// pattern for rows of 32, 64 or 128 bytes: chunk c of row r at c ^ ((r / (8 / C)) % C), C chunks per row), which
+// is the activations' own swizzle (PipeStage::chunk), so only the codes' reads change.
+struct alignas(64) TensorMap {  // CUtensorMap: 128 opaque bytes
+  unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void barrier_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+// One arrival that also expects `bytes` of bulk copies to complete on the barrier's current phase.
+__device__ __forceinline__ void barrier_expect(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(u32 bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+
+// The box of `map` at (column c0, row c1), in elements, into shared memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tensor_copy(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+               ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+// TMA: the tensor copies' layout: stages 1024-byte aligned (the 128-byte swizzle's period), the codes' rows unpadded
+// (the hardware's swizzle, not a pad, keeps rows g and g + 1 on different bank quads).
+template <int T, int R, int WARPS, bool RES, int STAGES, int GPS, bool TMA = false>
+struct alignas(TMA ? 1024 : 16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loads
   static constexpr int ROWS = 16 * R * WARPS;  // output rows of the CTA
   static constexpr int CW = 8 * GPS;           // code words per row per stage
-  static constexpr int CWP = GPS == 4 ? CW + 4 : CW;  // row pitch: rows g and g + 1 on different bank quads
+  static constexpr int CWP = GPS == 4 && !TMA ? CW + 4 : CW;  // row pitch: rows g and g + 1 on different bank quads
   static constexpr int MP = 8 * T;             // batch rows, padded to the mma's 8
   static constexpr int C = 2 * GPS;            // 16-byte chunks per (batch row, lane) per stage
   static constexpr int NX = RES ? 2 : 1;       // x8 (and r8)
@@ -166,15 +202,20 @@ struct alignas(16) PipeStage {  // 16-byte aligned: cp.async and the 16-byte loa
   static __device__ __forceinline__ int chunk(int ml, int q) { return ml * C + (q ^ ((ml / (8 / C)) % C)); }
 };
 
-// Two code-shape options, off by default, that the rule turns on per instance (mma.py's _ROW_OFFSETS, _CONST_START):
+// Code-shape options, off by default, that the rule turns on per instance (mma.py's _ROW_OFFSETS, _CONST_START):
 // each cuts instructions per stage (table 2 of docs/benchmarks.md' twenty-third-session section) but moves ptxas'
 // register allocation, 1.05-1.14x faster where the registers still fit as many CTAs per SM, 0.80-0.93x slower
 // where they cost one. Off, each compiles to the kernel from before it (the same SASS).
 // - ROW_OFFSETS: each copy's source is a byte offset (u · row_bytes) from one pointer per stage, and the activation
 //   copies are predicated on a per-thread count of batch-row chunks rather than a comparison per copy.
 // - CONST_START: every mma starts from the constant MAGIC, and the float tail subtracts MAGIC + Σx8's float.
+// - TMA: the tensor-map route: a stage's codes and activations come in tensor copies (above), and the launch
+//   passes three maps by value after the other arguments (Maps: TensorMap three times; none without TMA, so the
+//   kernel's signature is the one from before): the codes' ([N rows][KW words], a box of the CTA's rows × a stage's
+//   words), x8's and r8's ([4 M rows (batch row, lane)][KW words], a box of 32 T rows × a stage's words; rows past
+//   4 M arrive as zeros), each box row swizzled by its length.
 template <int T, int R, int WARPS, int WM, bool RES, int OUT, int STAGES, int GPS, int KS = 1, bool FLAT = false,
-          bool ROW_OFFSETS = false, bool CONST_START = false>
+          bool ROW_OFFSETS = false, bool CONST_START = false, bool TMA = false, class... Maps>
 __global__ void __launch_bounds__(WARPS * WM * KS * 32)
 ternary_mma(const u32* __restrict__ codes,   // [N, KW]
             const u16* __restrict__ scales,  // fp16 [N, G]
@@ -186,8 +227,15 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
             void* __restrict__ y,            // [M, ldy] of OUT's type
             float* __restrict__ partials,    // [splits, M, N] (splits > 1)
             int* __restrict__ counters,      // [N / (16 R WARPS)] zeros between calls (splits > 1)
-            int M, int N, int KW, int groups_per_split, int ldy) {
-  using S = PipeStage<T, R, WARPS, RES, STAGES, GPS>;
+            int M, int N, int KW, int groups_per_split, int ldy,
+            const __grid_constant__ Maps... maps) {  // TMA: the codes', x8's and r8's TensorMap
+  using S = PipeStage<T, R, WARPS, RES, STAGES, GPS, TMA>;
+  static_assert(TMA == (sizeof...(Maps) == 3), "three tensor maps with TMA, none without");
+  const TensorMap *code_map = nullptr, *x_map = nullptr, *r_map = nullptr;
+  if constexpr (TMA) {
+    const TensorMap* m[] = {&maps...};
+    code_map = m[0], x_map = m[1], r_map = m[2];
+  }
   static_assert(GPS == 1 || GPS == 2 || GPS == 4, "a stage is one, two or four groups");
   static_assert(STAGES >= 2, "at least double buffering");
   static_assert(T % WM == 0, "the batch's column tiles split evenly over WM warps");
@@ -202,11 +250,28 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
   // The stages live in dynamic shared memory (mma.py sizes the launch from MmaConfig.shared_bytes and opts the
   // kernel in above 48 KB): two stages of four groups at 25-64 rows do not fit the 48 KB of static shared
   // memory. 99 KB is sm_120's limit per block (the H200 allows 227 KB); write_tile's flag is the 16 bytes kept.
-  static_assert(sizeof(S) * STAGES <= 99 * 1024 - 16, "shared memory: 99 KB per block at most (sm_120)");
+  // TMA: the stages start at the first 1024-byte boundary of the dynamic shared memory (the launch adds 1 KB)
+  constexpr u32 ALIGN_PAD = TMA ? 1024 : 0;
+  static_assert(sizeof(S) * STAGES + ALIGN_PAD <= 99 * 1024 - 16 - (TMA ? 8 * STAGES : 0),
+                "shared memory: 99 KB per block at most (sm_120)");
   extern __shared__ __align__(16) unsigned char dynamic_shared[];
   S* stage = reinterpret_cast<S*>(dynamic_shared);
-  if (threadIdx.x == 0 && dynamic_shared_bytes() < (sizeof(S) * STAGES > RED_BYTES ? sizeof(S) * STAGES : RED_BYTES))
+  if constexpr (TMA)
+    stage = reinterpret_cast<S*>(dynamic_shared + ((1024 - shared_address(dynamic_shared) % 1024) % 1024));
+  if (threadIdx.x == 0 && dynamic_shared_bytes() < (sizeof(S) * STAGES > RED_BYTES ? sizeof(S) * STAGES : RED_BYTES) + ALIGN_PAD)
     __trap();  // launched with too little
+  // TMA: one barrier per stage buffer; its phase k completes when the k-th use's tensor copies have landed
+  u32 full0 = 0;
+  if constexpr (TMA) {
+    __shared__ __align__(8) unsigned long long full[STAGES];
+    full0 = shared_address(full);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int b = 0; b < STAGES; ++b) barrier_init(full0 + 8 * b, 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+  }
 
   const int G = KW / 8;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -280,7 +345,15 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
     const int grp0 = g0 + GPS * i, ngrp = min(GPS, g1 - grp0);  // the stage's groups inside the slice
     const long k_words = 8L * GPS * i;
     const bool in_slice = q / 2 < ngrp;
-    if constexpr (ROW_OFFSETS) {
+    if constexpr (TMA) {
+      // one thread: the stage's barrier expects the codes' and activations' boxes (full boxes: rows past the
+      // tensor and columns past K arrive as zeros and count), then the codes' box
+      if (threadIdx.x == 0) {
+        const u32 bar = full0 + 8 * (i % STAGES);
+        barrier_expect(bar, (u32)(sizeof(stage[0].codes) + sizeof(stage[0].x)));
+        tensor_copy(shared_address(stage[0].codes) + at, code_map, 8 * (g0 + GPS * i), cta_row0, bar);
+      }
+    } else if constexpr (ROW_OFFSETS) {
       const char* src = reinterpret_cast<const char*>(code_src) + 32 * GPS * i;
 #pragma unroll
       for (int u = 0; u < N_CODE; ++u)
@@ -303,7 +376,13 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
     const int grp0 = g0 + GPS * i, ngrp = min(GPS, g1 - grp0);
     const long k_words = 8L * GPS * i;
     const bool in_slice = q / 2 < ngrp;
-    if constexpr (ROW_OFFSETS) {
+    if constexpr (TMA) {
+      if (threadIdx.x == 0) {
+        const u32 bar = full0 + 8 * (i % STAGES);
+        tensor_copy(shared_address(stage[0].x[0]) + at, x_map, 8 * (g0 + GPS * i), 0, bar);
+        if (RES) tensor_copy(shared_address(stage[0].x[S::NX - 1]) + at, r_map, 8 * (g0 + GPS * i), 0, bar);
+      }
+    } else if constexpr (ROW_OFFSETS) {
 #pragma unroll
       for (int v = 0; v < S::NX; ++v) {
         const char* src = reinterpret_cast<const char*>(x_src[v]) + 32 * GPS * i;
@@ -332,6 +411,10 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
 #pragma unroll
     for (int qq = 0; qq < S::C; ++qq) x_word[qq] = 4 * S::chunk(ml, qq);
   }
+  // TMA: where chunk qq of this thread's code rows lies (rows g + 8 k: one swizzle for all), in words
+  int code_chunk[S::C];
+#pragma unroll
+  for (int qq = 0; qq < S::C; ++qq) code_chunk[qq] = 4 * (qq ^ ((g / (8 / S::C)) % S::C));
 
   float acc[R][TJ][4];
 #pragma unroll
@@ -356,7 +439,10 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
   }
   for (int i = 0; i < nstages; ++i) {
     copy_wait<STAGES - 2>();  // stage i has landed (for this thread's copies) ...
+    if constexpr (TMA) barrier_wait(full0 + 8 * (i % STAGES), (i / STAGES) & 1);  // (and its tensor copies)
     __syncthreads();          // ... and for everyone's; and buffer (i - 1) % STAGES is free again
+    if (TMA && threadIdx.x == 0)  // the generic proxy's reads of that buffer before the tensor copies' writes
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     if (i + STAGES - 1 < nstages) {
       issue_weights(i + STAGES - 1);
       issue_activations(i + STAGES - 1);
@@ -380,10 +466,12 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
       u32 a[R][4][4];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const u32* ca = s.codes + (wr * 16 * R + 16 * r + g) * S::CWP + 8 * gi;
+        // TMA: the group's two 16-byte chunks of row g (and g + 8), swizzled by the row (code_chunk)
+        const u32* ca = s.codes + (wr * 16 * R + 16 * r + g) * S::CWP + (TMA ? 0 : 8 * gi);
         const u32* cb = ca + 8 * S::CWP;
-        const u32x4 wa0 = *reinterpret_cast<const u32x4*>(ca), wa1 = *reinterpret_cast<const u32x4*>(ca + 4);
-        const u32x4 wb0 = *reinterpret_cast<const u32x4*>(cb), wb1 = *reinterpret_cast<const u32x4*>(cb + 4);
+        const int lo = TMA ? code_chunk[2 * gi] : 0, hi = TMA ? code_chunk[2 * gi + 1] : 4;
+        const u32x4 wa0 = *reinterpret_cast<const u32x4*>(ca + lo), wa1 = *reinterpret_cast<const u32x4*>(ca + hi);
+        const u32x4 wb0 = *reinterpret_cast<const u32x4*>(cb + lo), wb1 = *reinterpret_cast<const u32x4*>(cb + hi);
         const u32 wa[8] = {wa0.x, wa0.y, wa0.z, wa0.w, wa1.x, wa1.y, wa1.z, wa1.w};
         const u32 wb[8] = {wb0.x, wb0.y, wb0.z, wb0.w, wb1.x, wb1.y, wb1.z, wb1.w};
 #pragma unroll

@@ -50,12 +50,14 @@ class MmaConfig:
     flat: bool = False  # a whole stage's groups with no branch between them (more registers; mma.cu's FLAT)
     row_offsets: bool = False  # copies addressed by byte offsets from one pointer per stage (mma.cu's ROW_OFFSETS)
     const_start: bool = False  # every mma started from a constant (mma.cu's CONST_START)
+    tma: bool = False  # codes and activations by tensor copies, one thread's per stage (mma.cu's TMA; sm_90+)
 
     def __str__(self) -> str:
         return (f"warps={self.warps} rtiles={self.rtiles} split={self.split} residual={int(self.residual)} "
                 f"stages={self.stages} gps={self.gps}" + (f" wm={self.wm}" if self.wm > 1 else "")
                 + (f" ks={self.ks}" if self.ks > 1 else "") + (" flat=1" if self.flat else "")
-                + (" offsets=1" if self.row_offsets else "") + (" cstart=1" if self.const_start else ""))
+                + (" offsets=1" if self.row_offsets else "") + (" cstart=1" if self.const_start else "")
+                + (" tma=1" if self.tma else ""))
 
     @classmethod
     def parse(cls, text: str) -> "MmaConfig":
@@ -64,7 +66,8 @@ class MmaConfig:
         return cls(warps=int(fields["warps"]), rtiles=int(fields["rtiles"]), split=int(fields["split"]),
                    residual=fields["residual"] == "1", stages=int(fields["stages"]), gps=int(fields["gps"]),
                    wm=int(fields.get("wm", 1)), ks=int(fields.get("ks", 1)), flat=fields.get("flat") == "1",
-                   row_offsets=fields.get("offsets") == "1", const_start=fields.get("cstart") == "1")
+                   row_offsets=fields.get("offsets") == "1", const_start=fields.get("cstart") == "1",
+                   tma=fields.get("tma") == "1")
 
     def tiles(self, m: int) -> int:
         """Column tiles of the instance that runs m rows: 8 rows each, rounded up to a multiple of wm, and seven
@@ -79,21 +82,25 @@ class MmaConfig:
 
     def shared_bytes(self, tiles: int) -> int:
         """Dynamic shared memory for `tiles` column tiles of 8 batch rows (mma.cu's PipeStage · stages): the
-        launch's size, which the kernel checks against its own sizeof (it traps on too little)."""
+        launch's size, which the kernel checks against its own sizeof (it traps on too little). With tensor
+        copies (tma) the stages are 1024-byte aligned and the launch adds 1 KB to align the first."""
         res = int(self.residual)
-        pitch = 8 * self.gps + (4 if self.gps == 4 else 0)  # PipeStage::CWP
+        pitch = 8 * self.gps + (4 if self.gps == 4 and not self.tma else 0)  # PipeStage::CWP
         words = (self.rows_per_cta() * pitch + (1 + res) * 8 * tiles * 4 * 8 * self.gps
                  + self.gps * (2 + 2 * res) * 8 * tiles + self.rows_per_cta() * (self.gps // 2 + 1))
+        stage = -(-4 * words // 1024) * 1024 if self.tma else 4 * words
         # with warps along K, the partial tiles they add at the end (mma.cu's RED_BYTES), over the stages' bytes
         reduction = (self.ks - 1) * self.rtiles * (tiles // self.wm) * 4 * 32 * self.warps * self.wm * 4
-        return max(self.stages * 4 * words, reduction)
+        return max(self.stages * stage, reduction) + (1024 if self.tma else 0)
 
     def threads(self) -> int:
         return 32 * self.warps * self.wm * self.ks
 
     def fits(self, tiles: int) -> bool:
+        barriers = 8 * self.stages if self.tma else 0  # tma: an mbarrier per stage, in static shared memory
         return (tiles % self.wm == 0 and self.gps % self.ks == 0 and self.threads() <= 1024
-                and self.shared_bytes(tiles) <= SHARED_MAX)
+                and self.shared_bytes(tiles) + barriers <= SHARED_MAX
+                and (not self.tma or self.rows_per_cta() <= 256))  # a tensor copy's box: at most 256 rows
 
 
 # Dynamic shared memory of one CTA: sm_120's opt-in limit per block (99 KB; the H200's is 227 KB), less the
@@ -190,16 +197,26 @@ _RTX_DEEP = {**_RTX_OTHER, **_RTX_FROM_25, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 1, 2
 # docs/benchmarks.md). Elsewhere the registers it adds lost up to 1.25x (gate_up at 41-48 rows: 192 registers
 # against 168, two CTAs per SM instead of three; down_proj from 25 rows). Not on the RTX 50's tables: unmeasured.
 _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow": {7, 8}}, True: {}}
-# Column tiles T at which the table's instance addresses its copies by byte offsets (MmaConfig.row_offsets) and, of
-# those, at which it also starts every mma from a constant (MmaConfig.const_start): each cuts instructions per
-# stage, and together 19 % on gate_up's 64-row instance. Taken where the pair, or the offsets alone, ran
-# 1.04-1.14x faster than the instance without them, kernel alone on an H100 (twenty-third session, docs/benchmarks.md
-# table 3; the offsets alone were within 2 % at 16-32 rows): both at 16-32 rows on qkv, GDN-in and o_proj, and on
-# gate_up at 41-48; the offsets alone from 49 rows on all but down_proj. Elsewhere they were level or lost
-# 0.80-0.93x, where the registers they moved cost a CTA per SM (down_proj from 33 rows; the three-stage instance at
-# 33-40). Not on the RTX 50's tables: unmeasured, and they move registers there too.
-_ROW_OFFSETS = {False: {"wide": {6, 7, 8}, "other": {2, 3, 4, 7, 8}, "shallow": {2, 3, 4, 7, 8}}, True: {}}
-_CONST_START = {False: {"wide": {6}, "other": {2, 3, 4}, "shallow": {2, 3, 4}}, True: {}}
+# Column tiles T at which the table's instance takes its codes and activations by tensor copies (MmaConfig.tma): one
+# bulk copy per operand and stage, issued by one thread, in place of about 13 cp.async per thread and their address
+# arithmetic. Against the same instances without them, served on an H100 (twenty-fourth session, docs/benchmarks.md):
+# 1.03-1.22x faster at 6-64 rows on gate_up and down_proj and at 16-64 on the other layers, level at 6-8 rows on
+# those; not taken where it was level or slower: the three-stage instance of o_proj / GDN-out and down_proj at 33-40
+# rows (0.97-0.99x), one column tile on qkv / GDN-in / o_proj. Not on the RTX 50's tables: unmeasured.
+_TMA = {False: {"wide": set(range(1, 9)), "deep": {1, 2, 3, 4, 6, 7, 8}, "other": set(range(2, 9)),
+                "shallow": {2, 3, 4, 6, 7, 8}}, True: {}}
+# Column tiles T at which the instance addresses its cp.async copies by byte offsets (MmaConfig.row_offsets; nothing
+# where it takes tensor copies) and at which it starts every mma from a constant (MmaConfig.const_start). Each cuts
+# instructions per stage but moves registers. The offsets, served on an H100 without tensor copies (twenty-third and
+# twenty-fourth sessions): 1.05-1.10x at 49-64 rows on all but down_proj, where the rule now takes tensor copies; so
+# the offsets serve only the three-stage instance's neighbours that keep cp.async, i.e. nowhere in this table. The
+# constant start, served beside tensor copies: 1.02-1.09x on gate_up at 9-24, 33-48 and 49-64 rows, on qkv / GDN-in
+# at every row count, on o_proj / GDN-out at 1-32 and 49-64 rows, and on down_proj at 17-24 rows (1.03x); without it
+# the other layers lost 0.92-0.95x at 9-32 rows. It lost 0.76-0.82x where its registers cost a CTA per SM (down_proj
+# at 33-40 and 49-64 rows, o_proj's three-stage instance at 33-40).
+_ROW_OFFSETS = {False: {}, True: {}}
+_CONST_START = {False: {"wide": {2, 3, 5, 6, 7, 8}, "deep": {3}, "other": set(range(1, 9)),
+                        "shallow": {1, 2, 3, 4, 7, 8}}, True: {}}
 _TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _OTHER, "other": _OTHER},
            True: {"deep": _RTX_DEEP, "wide": _RTX_WIDE, "shallow": _RTX_SHALLOW, "other": _RTX_OTHER}}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
@@ -228,7 +245,8 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200) -> MmaConfig | None:
     cfg = MmaConfig(warps=warps, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps,
                     wm=wm, ks=ks[0] if ks else 1, flat=tiles in _FLAT[gpu.rtx50].get(cls, ()),
                     row_offsets=tiles in _ROW_OFFSETS[gpu.rtx50].get(cls, ()),
-                    const_start=tiles in _CONST_START[gpu.rtx50].get(cls, ()))
+                    const_start=tiles in _CONST_START[gpu.rtx50].get(cls, ()),
+                    tma=tiles in _TMA[gpu.rtx50].get(cls, ()))
     if n % cfg.rows_per_cta():
         return None
     return replace(cfg, split=k_slices(n // cfg.rows_per_cta(), groups, per_sm, min_groups, gpu.sms))
@@ -250,10 +268,12 @@ def template(rows: int, config: MmaConfig, out_dtype: torch.dtype) -> str:
     they existed."""
     args = [config.tiles(rows), config.rtiles, config.warps, config.wm, str(config.residual).lower(), _OUT[out_dtype],
             config.stages, config.gps]
-    optional = [config.ks, *(str(f).lower() for f in (config.flat, config.row_offsets, config.const_start))]
+    optional = [config.ks, *(str(f).lower() for f in (config.flat, config.row_offsets, config.const_start,
+                                                        config.tma))]
     while optional and optional[-1] in (1, "false"):  # the template's defaults: KS = 1, the flags off
         optional.pop()
-    return f"ternary_mma<{', '.join(map(str, args + optional))}>"
+    maps = ["TensorMap"] * 3 if config.tma else []  # the kernel's by-value parameters: the three maps
+    return f"ternary_mma<{', '.join(map(str, args + optional + maps))}>"
 
 
 def compile_instance(name: str, capability: str) -> tuple[bytes, str]:
@@ -366,10 +386,21 @@ def gemm(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor, confi
         early = EARLY_LAUNCH and early_pays(ctas * splits, m, kw * 16, nvrtc.sm_count(index), act.prep, act.prep_rows,
                                             config.ks)
     early = early and nvrtc.capability(index)[0] >= 9
-    nvrtc.launch(fn, (ctas, splits, 1), (config.threads(), 1, 1),
-                 [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per,
-                  y.stride(0)], shared_mem=shared, early=early)
+    args = [packed, scales, act.xa, act.xr, act.gx, act.gr, act.s, y, partials, counters, m, n, kw, per, y.stride(0)]
+    if config.tma:
+        args += tensor_maps(act, packed, config, tiles)
+    nvrtc.launch(fn, (ctas, splits, 1), (config.threads(), 1, 1), args, shared_mem=shared, early=early)
     return y
+
+
+def tensor_maps(act: Dp4aActivations, packed: torch.Tensor, config: MmaConfig, tiles: int) -> list[bytes]:
+    """The tensor-copy route's three maps (mma.cu's TMA): the codes [N rows][KW words] in boxes of the CTA's rows ×
+    a stage's words, x8 and r8 [4 M rows (batch row, lane)][KW words] in boxes of the column tiles' 32 · tiles
+    rows (past 4 M: zeros) × a stage's words."""
+    words = 8 * config.gps
+    kw = packed.shape[1]
+    return [nvrtc.tensor_map(packed, (words, config.rows_per_cta())),
+            *(nvrtc.tensor_map(t.view(-1, kw), (words, 32 * tiles)) for t in (act.xa, act.xr))]
 
 
 def gemm_reference(act: Dp4aActivations, packed: torch.Tensor, scales: torch.Tensor,
