@@ -166,9 +166,9 @@ SETTINGS: tuple[Setting, ...] = (
             "ternary/kernels/linear.py"),
     Setting("BONSAI_MMA_GEMM", "bool", True,
             "Decode batches of 2 to 64 rows (one user with MTP; several users; MTP verify rows) on CUDA "
-            "through the int8 tensor-core kernel that decodes the codes in registers behind a cp.async "
-            "pipeline (ternary/kernels/mma.cu, compiled by NVRTC at load; on the H200 1.0-2.4x the routes it "
-            "replaced). 0: the GEMVs it replaced (issue 19).",
+            "through the int8 tensor-core kernel that decodes the codes in registers behind a pipeline of "
+            "cp.async or, on sm_90, tensor copies (ternary/kernels/mma.cu, compiled by NVRTC at load; on the H200 "
+            "1.0-2.4x the routes it replaced). 0: the GEMVs it replaced (issue 19).",
             "ternary/kernels/linear.py"),
     Setting("BONSAI_MMA_RULE", "choice", "auto",
             "Which tables pick the mma kernel's configuration per row count (ternary/kernels/mma.py): auto (the "

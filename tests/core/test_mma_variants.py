@@ -70,7 +70,11 @@ def test_bad_specs_and_stale_patches_say_what_is_wrong(tmp_path):
     bad.write_text("diff --git a/mma.cu b/mma.cu\n--- a/mma.cu\n+++ b/mma.cu\n@@ -1,1 +1,1 @@\n-no such line\n+x\n")
     with pytest.raises(SystemExit, match="stale.patch does not apply to the tree's mma.cu"):
         mma_variants.main(["--variant", f"stale={bad}", "--resources", "--ms", "64", "--layers", "gate_up"])
-    with pytest.raises(SystemExit, match="FIELD one of flat, offsets, cstart, tma"):
+    with pytest.raises(SystemExit, match="FIELD one of warps, .*, tma"):
         mma_variants.parse_variants(["x=offset=1"], None)
+    with pytest.raises(SystemExit, match="a positive count"):
+        mma_variants.parse_variants(["x=warps=0"], None)
+    wide = mma_variants.parse_variants(["two=warps=2,split=2,tma=0"], None)["two"]
+    assert wide.fields == (("warps", 2), ("split", 2), ("tma", False))
     with pytest.raises(SystemExit, match="NAME not 'rule'"):
         mma_variants.parse_variants(["rule=offsets=1"], None)

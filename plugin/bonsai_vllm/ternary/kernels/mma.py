@@ -3,7 +3,8 @@
 Why CUDA and not Triton: every Triton route tried fed decoded codes to `tl.dot` through shared memory, per
 tile, behind barriers (docs/dev-notes.md: the codes GEMM at 88 µs against bf16's 46 for gate_up at 16 rows).
 In `mma.cu` each thread decodes its own operand registers from the checkpoint's words (two instructions per
-four weights) and issues `mma.sync.m16n8k32.s8` itself, while a cp.async pipeline keeps the next stages' codes
+four weights) and issues `mma.sync.m16n8k32.s8` itself, while a pipeline (cp.async per thread, or on most of the
+sm_90 rule's instances one tensor copy per operand and stage: MmaConfig.tma) keeps the next stages' codes
 and activations in flight into shared memory; the file's first comment explains the layout.
 
 It is compiled at run time by NVRTC (bonsai_vllm.nvrtc: the CUDA runtime compiler that PyTorch's CUDA wheels
@@ -199,21 +200,20 @@ _RTX_DEEP = {**_RTX_OTHER, **_RTX_FROM_25, 1: (8, 1, 3, 4, 1, 0, 2), 2: (4, 1, 2
 _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow": {7, 8}}, True: {}}
 # Column tiles T at which the table's instance takes its codes and activations by tensor copies (MmaConfig.tma): one
 # bulk copy per operand and stage, issued by one thread, in place of about 13 cp.async per thread and their address
-# arithmetic. Against the same instances without them, served on an H100 (twenty-fourth session, docs/benchmarks.md):
+# arithmetic. Against the same instances without them, served (twenty-fourth session, docs/benchmarks.md): on an H100
 # 1.03-1.22x faster at 6-64 rows on gate_up and down_proj and at 16-64 on the other layers, level at 6-8 rows on
-# those; not taken where it was level or slower: the three-stage instance of o_proj / GDN-out and down_proj at 33-40
+# those; on an H200, the final rule, 1.05-1.39x. Not taken where it was level or slower: the three-stage instance of o_proj / GDN-out and down_proj at 33-40
 # rows (0.97-0.99x), one column tile on qkv / GDN-in / o_proj. Not on the RTX 50's tables: unmeasured.
 _TMA = {False: {"wide": set(range(1, 9)), "deep": {1, 2, 3, 4, 6, 7, 8}, "other": set(range(2, 9)),
                 "shallow": {2, 3, 4, 6, 7, 8}}, True: {}}
-# Column tiles T at which the instance addresses its cp.async copies by byte offsets (MmaConfig.row_offsets; nothing
-# where it takes tensor copies) and at which it starts every mma from a constant (MmaConfig.const_start). Each cuts
-# instructions per stage but moves registers. The offsets, served on an H100 without tensor copies (twenty-third and
-# twenty-fourth sessions): 1.05-1.10x at 49-64 rows on all but down_proj, where the rule now takes tensor copies; so
-# the offsets serve only the three-stage instance's neighbours that keep cp.async, i.e. nowhere in this table. The
-# constant start, served beside tensor copies: 1.02-1.09x on gate_up at 9-24, 33-48 and 49-64 rows, on qkv / GDN-in
-# at every row count, on o_proj / GDN-out at 1-32 and 49-64 rows, and on down_proj at 17-24 rows (1.03x); without it
-# the other layers lost 0.92-0.95x at 9-32 rows. It lost 0.76-0.82x where its registers cost a CTA per SM (down_proj
-# at 33-40 and 49-64 rows, o_proj's three-stage instance at 33-40).
+# Column tiles T at which the instance addresses its cp.async copies by byte offsets (MmaConfig.row_offsets) and at
+# which it starts every mma from a constant (MmaConfig.const_start). Each cuts instructions per stage but moves
+# registers. The offsets won 1.05-1.10x served at 49-64 rows without tensor copies (twenty-third session), where the
+# rule now takes tensor copies, which replace the copies they change: no instance of the rule keeps them. The constant
+# start, served beside tensor copies on an H100 and checked on an H200 (twenty-fourth session): 1.02-1.09x on gate_up
+# at 9-24 and 33-64 rows, on qkv / GDN-in at every row count, on o_proj / GDN-out at 2-32 and 49-64 rows and on
+# down_proj at 17-24; without it the narrower layers lost 0.92-0.95x at 9-32 rows. It lost 0.75-0.82x where its
+# registers cost a CTA per SM (down_proj at 33-40 and 49-64 rows, o_proj's three-stage instance at 33-40).
 _ROW_OFFSETS = {False: {}, True: {}}
 _CONST_START = {False: {"wide": {2, 3, 5, 6, 7, 8}, "deep": {3}, "other": set(range(1, 9)),
                         "shallow": {1, 2, 3, 4, 7, 8}}, True: {}}
