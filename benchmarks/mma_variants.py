@@ -2,7 +2,7 @@
 
     PYTHONPATH=plugin python -m benchmarks.mma_variants [--config NAME=FIELD=VALUE[,FIELD=VALUE...]]...
         [--variant NAME=PATCH[+PATCH...]]... [--ms 16,32,48,64] [--layers gate_up,...] [--served] [--resources]
-        [--out DIR]
+        [--rtx-occupancy [--sms 48]] [--out DIR]
 
 Two kinds of variant, each against "rule" (the tree's mma.cu at the configurations mma.default_config picks):
 - `--config`: the rule's configurations with fields set, the tree's source: any field MmaConfig's text names
@@ -22,7 +22,10 @@ Two kinds of variant, each against "rule" (the tree's mma.cu at the configuratio
   (`ternary_linear` on unrotated rows with the layer's signs, the rotation + prep ahead and the mma launched early
   where the rule says; down_proj on rotated rows), each variant's bf16 output required equal to the rule's within
   1e-4 (summed in another order, a few elements round one bf16 step apart).
-  Prints µs and rule ÷ variant (> 1: the variant is faster); writes mma-variants.json under --out."""
+  Prints µs and rule ÷ variant (> 1: the variant is faster); writes mma-variants.json under --out.
+- `--rtx-occupancy` (kernel alone): the RTX 50 rule (the sm120 tables) as "rule", and every launch's shared memory
+  padded so that an SM of this GPU holds no more CTAs of the instance than an sm_120 SM would (benchmarks.mma_gemm's
+  emulation); `--sms 48` also runs it on 48 SMs (a green context: the RTX 5070's count)."""
 
 from __future__ import annotations
 
@@ -164,14 +167,19 @@ def use(source: Path) -> None:
     mma._load.cache_clear()  # keyed by the instance's name, not its source
 
 
-def time_variants(variants: dict[str, Variant], ms: list[int], layers: list[str], served: bool, out: Path) -> int:
+def time_variants(variants: dict[str, Variant], ms: list[int], layers: list[str], served: bool, out: Path,
+                  rtx: bool = False, sms: int = 0) -> int:
     from bonsai_vllm.ternary.kernels import dp4a, linear
 
     from benchmarks.layers import served_with_signs
+    from benchmarks.mma_gemm import rtx_shared
 
     shapes = {name: (k, n) for name, k, n in bk.SHAPES}
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    gpu = mma.Gpu.of("cuda")
+    gpu = mma.Gpu.of("cuda", "sm120" if rtx else "auto")
+    if sms:
+        bk.on_sms(sms)
+        gpu = dataclasses.replace(gpu, sms=sms)
     results, failures = {}, []
     # every instance compiled up front on the host's cores (NVRTC; compile_file caches them), not one by one below
     from concurrent.futures import ThreadPoolExecutor
@@ -182,10 +190,12 @@ def time_variants(variants: dict[str, Variant], ms: list[int], layers: list[str]
     builds = {(v.source, mma.template(m, v.config(rule), dt))
               for _, (m, rule) in rule_configs(ms, layers, gpu).items() for v in variants.values()
               for dt in (torch.bfloat16, torch.float32) if v.config(rule).fits(v.config(rule).tiles(m))}
+    archs = [cap, "120"] if rtx else [cap]  # the sm_120 builds' registers set the padding
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda b: nvrtc.compile_file(b[0], b[1], cap), builds))
-    print(f"{torch.cuda.get_device_name(0)}; µs per call ({'served' if served else 'kernel alone'}), "
-          f"rule ÷ variant in brackets", flush=True)
+        list(pool.map(lambda b: nvrtc.compile_file(b[0], b[1], b[2]), [(*b, a) for b in builds for a in archs]))
+    print(f"{torch.cuda.get_device_name(0)}; µs per call ({'served' if served else 'kernel alone'}"
+          + (f", sm_120 occupancy on {gpu.sms} SMs, the sm120 rule" if rtx else "") + "), rule ÷ variant in brackets",
+          flush=True)
     for layer in layers:
         k, n = shapes[layer]
         copies = bk.served_copies(n, k, "cuda", seed=3, l2=l2)
@@ -230,8 +240,9 @@ def time_variants(variants: dict[str, Variant], ms: list[int], layers: list[str]
                         tw_v = [with_mma(tw, m, cfg) for tw in tws]
                         fn = lambda i, tw_v=tw_v: linear.ternary_linear(x, tw_v[i], rotated=signs is None)  # noqa: E731
                     else:
-                        fn = lambda i, cfg=cfg: mma.gemm(act, copies.tern[i][0], copies.tern[i][1], cfg, ws,  # noqa: E731
-                                                         out=y, early=False)
+                        pad = rtx_shared(m, cfg) if rtx else None
+                        fn = lambda i, cfg=cfg, pad=pad: mma.gemm(act, copies.tern[i][0], copies.tern[i][1], cfg,  # noqa: E731
+                                                                  ws, out=y, early=False, shared_mem=pad)
                     times[label].append(bk.time_graph(fn, len(copies.tern), bk.calls_for(30)))
             med = {label: statistics.median(t) for label, t in times.items()}
             results[f"{layer}:{m}"] = {"configs": {label: str(c) for label, c in configs.items()}, "us": med}
@@ -267,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", default=",".join(s[0] for s in bk.SHAPES))
     ap.add_argument("--served", action="store_true", help="time the layer as served (ternary_linear), not the kernel")
     ap.add_argument("--resources", action="store_true", help="registers and instructions only (no GPU)")
+    ap.add_argument("--rtx-occupancy", action="store_true", help="the sm120 rule, each launch padded to an sm_120 "
+                    "SM's CTAs per SM (kernel alone)")
+    ap.add_argument("--sms", type=int, default=0, help="time on this many SMs (a green context; 48: the RTX 5070)")
     ap.add_argument("--out", default=os.environ.get("OUT", ".cache/bench-mma-variants"))
     args = ap.parse_args(argv)
     ms, layers = [int(v) for v in args.ms.split(",")], args.layers.split(",")
@@ -276,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("mma_variants: timing needs a CUDA GPU (--resources runs without one)")
-    return time_variants(variants, ms, layers, args.served, Path(args.out))
+    if args.rtx_occupancy and args.served:
+        raise SystemExit("mma_variants: --rtx-occupancy pads the kernel's own launch; it does not apply to --served")
+    return time_variants(variants, ms, layers, args.served, Path(args.out), args.rtx_occupancy, args.sms)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,12 @@ SETTINGS: tuple[Setting, ...] = (
             "sm90's at 8-48 rows, measured that way; issue 19). Only the speed changes: the error bounds are the "
             "same.",
             "ternary/kernels/linear.py", choices=("auto", "sm90", "sm120")),
+    Setting("BONSAI_MMA_TMA", "bool", True,
+            "Let the mma kernel take its codes and activations by tensor copies (TMA: one bulk copy per operand "
+            "and stage) where its rule does: 1.03-1.39x faster served on the H200, and on the RTX 5070's emulation "
+            "1.01-1.36x with the constant start, which no RTX 50 card has run yet. 0: the same instances with "
+            "per-thread cp.async copies (issue 19).",
+            "ternary/kernels/linear.py"),
     Setting("BONSAI_CUDA_ROTATION", "bool", True,
             "Decode rows of 1 to 64 on CUDA (sm_90 and later) that reach a layer unrotated: the Hadamard rotation "
             "and the int8 prep of the dp4a, streaming and mma kernels in one CUDA C kernel, butterflies in registers "

@@ -84,6 +84,9 @@ def test_default_config_at_the_27bs_shapes(kern):
         16: [1] * 7, 24: [1, 1, 2, 2, 2, 2, 1], 32: [1, 1, 4, 4, 4, 4, 1], 40: [1] * 7,
         48: [2, 1, 1, 1, 1, 1, 2], 64: [1] * 7}
     assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [2, 4, 2, 2, 2, 2, 2]
+    # down_proj at 17-24 rows: 32-row CTAs beside tensor copies (twenty-fourth session), the same four K slices
+    assert [(c.warps, c.split) for c in (kern.mma.default_config(m, 5120, 8704) for m in (16, 17, 24, 25))] == [
+        (4, 8), (2, 4), (2, 4), (4, 8)]
     for m in range(1, kern.mma.MAX_ROWS + 1):
         cfg = kern.mma.default_config(m, 5120, 5120)
         tiles = cfg.tiles(m)
@@ -295,9 +298,14 @@ def test_code_shape_flags_name_their_instance_and_where_the_rule_takes_them(kern
     assert cstart["qkv"] == cstart["gdn_in"] == list(range(2, 65))
     assert cstart["o_proj"] == cstart["gdn_out"] == [*range(2, 33), *range(49, 65)]
     assert not any(rows("row_offsets").values())
-    # unmeasured on an RTX 50 card: its rule takes none of them
-    assert not any(c.row_offsets or c.const_start or c.tma for m in range(2, 65) for k, n in LAYERS.values()
-                   for c in [mma.default_config(m, n, k, mma.RTX_5070)])
+    # the RTX 50 rule: tensor copies and the constant start everywhere (the 48-SM emulation), the offsets nowhere
+    rtx = [mma.default_config(m, n, k, mma.RTX_5070) for m in range(1, 65) for k, n in LAYERS.values()]
+    assert all(c.tma and c.const_start and not c.row_offsets for c in rtx)
+    # BONSAI_MMA_TMA=0 (linear.prepare passes it): the same instances with per-thread copies
+    for gpu in (mma.H200, mma.RTX_5070):
+        for m in (4, 16, 64):
+            on, off = mma.default_config(m, 17408, 5120, gpu), mma.default_config(m, 17408, 5120, gpu, tma=False)
+            assert on.tma and off == dataclasses.replace(on, tma=False)
 
 
 def test_shared_bytes_match_the_kernels_layout(kern):

@@ -183,7 +183,8 @@ def prepare(packed: torch.Tensor, scales: torch.Tensor, signs: torch.Tensor | No
         from bonsai_vllm.ternary.kernels import mma as mma_kernels
 
         gpu = mma_kernels.Gpu.of(packed.device, settings.get("BONSAI_MMA_RULE"))  # the rule's tables and SMs
-        configs = tuple(mma_kernels.default_config(rows, n, k, gpu) for rows in range(1, MMA_MAX_M + 1))
+        tma = settings.get("BONSAI_MMA_TMA")  # tensor copies where the rule takes them
+        configs = tuple(mma_kernels.default_config(rows, n, k, gpu, tma) for rows in range(1, MMA_MAX_M + 1))
         if None not in configs:
             tw.mma = configs
             for rows in range(DP4A_MAX_M + 1, MMA_MAX_M + 1):  # compiled and loaded now, not inside a capture

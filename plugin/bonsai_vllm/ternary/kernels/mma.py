@@ -162,12 +162,13 @@ RTX_5070 = Gpu(120, 48)  # the target card of a 12 GB pair (docs/benchmarks.md's
 # kernel): two at 17-24 rows on qkv / GDN-in / o_proj / GDN-out (1.13-1.15x faster), four with one batch warp at
 # 25-32 rows (1.05x against the two batch warps before), two on gate_up at 41-48 rows with 32-row warps of two
 # tiles (1.04-1.08x); elsewhere they lost (up to 3x at 8 rows, where a stage's four groups split too thin) or
-# were level served (33-40 rows, three stages; see docs/dev-notes.md).
+# were level served (33-40 rows, three stages; see docs/dev-notes.md). Beside tensor copies (twenty-fourth session),
+# down_proj at 17-24 rows takes 32-row CTAs (two warps): 1.07-1.08x served on an H100, 0.82-0.88x at 9-16 rows.
 _OTHER = {1: (4, 1, 2, 4, 1, 3, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2, 2), 4: (4, 1, 2, 4, 1, 0, 2, 4),
           5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
 _WIDE = {**_OTHER, 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 2, 4, 1, 0, 2), 5: (4, 1, 2, 4, 1, 0, 2),
          6: (2, 2, 2, 4, 1, 0, 2, 2)}
-_DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (4, 1, 2, 4, 1, 8, 12), 4: (4, 1, 2, 4, 2, 8, 6),
+_DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (2, 1, 2, 4, 1, 8, 12), 4: (4, 1, 2, 4, 2, 8, 6),
          5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 8, 6), 7: (4, 1, 2, 4, 4, 8, 6), 8: (4, 1, 2, 4, 4, 8, 6)}
 # The RTX 50's tables, from sweeps on the H200 with each launch's shared memory padded so that an SM holds as
 # many CTAs of the instance as an sm_120 SM would (`bench-mma --rtx-occupancy`), on 48 SMs (`--sms 48`, a green
@@ -202,10 +203,15 @@ _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow
 # bulk copy per operand and stage, issued by one thread, in place of about 13 cp.async per thread and their address
 # arithmetic. Against the same instances without them, served (twenty-fourth session, docs/benchmarks.md): on an H100
 # 1.03-1.22x faster at 6-64 rows on gate_up and down_proj and at 16-64 on the other layers, level at 6-8 rows on
-# those; on an H200, the final rule, 1.05-1.39x. Not taken where it was level or slower: the three-stage instance of o_proj / GDN-out and down_proj at 33-40
-# rows (0.97-0.99x), one column tile on qkv / GDN-in / o_proj. Not on the RTX 50's tables: unmeasured.
+# those; on an H200, the final rule, 1.03-1.39x. Not taken where it was level or slower: the three-stage instance of
+# o_proj / GDN-out and down_proj at 33-40 rows (0.97-0.99x), one column tile on qkv / GDN-in / o_proj. The RTX 50's
+# tables take them everywhere, with the constant start: on the 48-SM emulation at sm_120 occupancy, the pair ran
+# 1.01-1.36x faster than the tables' instances without them at 8-64 rows on all four classes (tensor copies alone:
+# 0.88-1.28x), because the sm_120 builds lose registers with them and an SM then holds more CTAs. That is an
+# emulation on an H100: no RTX 50 card has run them (BONSAI_MMA_TMA=0 turns them off).
 _TMA = {False: {"wide": set(range(1, 9)), "deep": {1, 2, 3, 4, 6, 7, 8}, "other": set(range(2, 9)),
-                "shallow": {2, 3, 4, 6, 7, 8}}, True: {}}
+                "shallow": {2, 3, 4, 6, 7, 8}},
+        True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
 # Column tiles T at which the instance addresses its cp.async copies by byte offsets (MmaConfig.row_offsets) and at
 # which it starts every mma from a constant (MmaConfig.const_start). Each cuts instructions per stage but moves
 # registers. The offsets won 1.05-1.10x served at 49-64 rows without tensor copies (twenty-third session), where the
@@ -216,7 +222,8 @@ _TMA = {False: {"wide": set(range(1, 9)), "deep": {1, 2, 3, 4, 6, 7, 8}, "other"
 # registers cost a CTA per SM (down_proj at 33-40 and 49-64 rows, o_proj's three-stage instance at 33-40).
 _ROW_OFFSETS = {False: {}, True: {}}
 _CONST_START = {False: {"wide": {2, 3, 5, 6, 7, 8}, "deep": {3}, "other": set(range(1, 9)),
-                        "shallow": {1, 2, 3, 4, 7, 8}}, True: {}}
+                        "shallow": {1, 2, 3, 4, 7, 8}},
+                True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
 _TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _OTHER, "other": _OTHER},
            True: {"deep": _RTX_DEEP, "wide": _RTX_WIDE, "shallow": _RTX_SHALLOW, "other": _RTX_OTHER}}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
@@ -230,13 +237,13 @@ def layer_class(n: int, k: int) -> str:
             "shallow" if groups < SHALLOW_GROUPS else "other")
 
 
-def default_config(m: int, n: int, k: int, gpu: Gpu = H200) -> MmaConfig | None:
+def default_config(m: int, n: int, k: int, gpu: Gpu = H200, tma: bool = True) -> MmaConfig | None:
     """The configuration for m rows through a layer of N outputs and K inputs on `gpu`; None where the kernel
     does not apply (K not an even number of groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
 
     The layout from the table of the GPU's architecture and the layer's class (`layer_class`) and column tiles;
     K slices: the fewest (a power of two, with at least the table's groups each) that give the CTAs per SM
-    aimed for on the GPU's SMs."""
+    aimed for on the GPU's SMs. `tma` False: the same instances with per-thread copies (BONSAI_MMA_TMA=0)."""
     if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
     groups = k // GROUP
@@ -246,7 +253,7 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200) -> MmaConfig | None:
                     wm=wm, ks=ks[0] if ks else 1, flat=tiles in _FLAT[gpu.rtx50].get(cls, ()),
                     row_offsets=tiles in _ROW_OFFSETS[gpu.rtx50].get(cls, ()),
                     const_start=tiles in _CONST_START[gpu.rtx50].get(cls, ()),
-                    tma=tiles in _TMA[gpu.rtx50].get(cls, ()))
+                    tma=tma and tiles in _TMA[gpu.rtx50].get(cls, ()))
     if n % cfg.rows_per_cta():
         return None
     return replace(cfg, split=k_slices(n // cfg.rows_per_cta(), groups, per_sm, min_groups, gpu.sms))
