@@ -79,14 +79,18 @@ _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^
 
 def main_loop(cubin: bytes) -> tuple[int, int]:
     """(instructions in the loop body, its tensor/dp4a/FMA work instructions) of the cubin's main loop: of
-    the backward branches, the one whose body holds the most work instructions (ties: the shortest)."""
+    the backward branches (uniform ones too: `BRA.U UP0, 0x...`), the one whose body holds the most work
+    instructions (ties: the shortest). A span that holds an EXIT is not a loop body: ptxas puts a wait's retry
+    (mma.cu's mbarrier poll) after the function's end and branches back from there, a span over the epilogue."""
     sass = dump_cubin(cubin, "-sass")
     ins = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in _LINE.finditer(sass)]
     loops = []
     for addr, op, rest in ins:
-        target = re.match(r"\s*0x([0-9a-f]+)", rest)
+        target = re.search(r"0x([0-9a-f]+)\s*$", rest)
         if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            if any(o.startswith("EXIT") for o in body):
+                continue
             loops.append((sum(bool(WORK.match(o)) for o in body), -len(body), len(body)))
     if not loops:
         return len(ins), sum(bool(WORK.match(o)) for _, o, _ in ins)

@@ -29,6 +29,22 @@ def test_main_loop_is_the_mma_loop(tm):
     assert cfg.gps * 60 < size < cfg.gps * 400 and work >= cfg.gps * 8
 
 
+def test_main_loop_of_a_tensor_copy_instance_leaves_out_the_epilogue(tm):
+    """With tensor copies ptxas puts the mbarrier poll's retry after the function's end and branches back into the
+    stage loop from there: that span holds the epilogue (and EXIT), and is not the loop."""
+    from bonsai_vllm.ternary.kernels import mma
+
+    cfg = mma.default_config(64, 17408, 5120, mma.RTX_5070)
+    assert cfg.tma
+    try:
+        cubin, _ = mma.compile_instance(mma.template(64, cfg, torch.bfloat16), "120")
+    except OSError as e:
+        pytest.skip(f"no NVRTC here: {e}")
+    size, work = tm.main_loop(cubin)
+    imma = 4 * cfg.gps * cfg.rtiles * cfg.tiles(64) // cfg.wm  # per stage: k-steps × row tiles × column tiles
+    assert work >= imma and size < 40 * imma
+
+
 def test_layer_time_takes_the_larger_term(tm):
     card = tm.Card("test", 120, 10, 1.0, 1e9)
     main = tm.Launch("k", loop_instructions=40, weights_per_iteration=1000, passes=1, weight_bytes=1e3,
