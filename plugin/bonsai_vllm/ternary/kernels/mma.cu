@@ -175,11 +175,11 @@ __device__ __forceinline__ void barrier_wait(u32 bar, u32 parity) {
   } while (!done);
 }
 
-// The box of `map` at (column c0, row c1), in elements, into shared memory at `dst`, completing on `bar`. On sm_120
-// ptxas stores 8 zero bytes to the stack before each of these (one thread, once per stage); the .shared::cta form
-// of the destination (PTX 8.6) does not, but has not run on a GPU yet (docs/dev-notes.md).
+// The box of `map` at (column c0, row c1), in elements, into shared memory at `dst`, completing on `bar`. The
+// destination is the CTA's own shared memory (.shared::cta, PTX 8.6): with .shared::cluster ptxas stored 8 zero
+// bytes to the stack before every copy on sm_120 (not on sm_90).
 __device__ __forceinline__ void tensor_copy(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+  asm volatile("cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
                ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
 }
 
