@@ -26,7 +26,8 @@
 // over the groups of its K slice (blockIdx.y); warp (wr, wm, ks) takes R row tiles, T / WM of the batch's column
 // tiles and every KS-th group of each stage (KS > 1: more warps per SM on the same tile, their sums added through
 // shared memory at the end; no more CTAs, partials or counters). The CTA's codes, activations and per-row
-// scalars for the next STAGES - 1 stages (GPS groups each) are in flight through cp.async into shared memory
+// scalars for the next STAGES - 1 stages (GPS groups each) are in flight through cp.async (or, with TMA, the codes
+// and activations through one tensor copy each per stage) into shared memory
 // while this stage's products run: the bytes in flight grow
 // with STAGES and cost no registers, and each CTA fetches the activations once for all its warps. (The first
 // version kept one group ahead per warp in registers and ran 1.3-2x slower at 8-64 rows: docs/benchmarks.md.)
