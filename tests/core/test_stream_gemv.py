@@ -87,7 +87,7 @@ def test_launch_structures_match_the_driver_abi():
 
 
 def test_early_launch_refuses_arguments_it_cannot_pass():
-    with pytest.raises(TypeError, match="tensors and ints"):
+    with pytest.raises(TypeError, match="tensors, ints and bytes only"):
         nvrtc.launch(object(), (1, 1, 1), (32, 1, 1), [1.5], early=True)
 
 
