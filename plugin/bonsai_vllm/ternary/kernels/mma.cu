@@ -148,13 +148,13 @@ __device__ __forceinline__ void copy_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
-// The tensor-map route (ternary_mma_tma): a stage's codes and activations each come in one bulk tensor copy
+// The tensor-map route (ternary_mma's TMA): a stage's codes and activations each come in one bulk tensor copy
 // (cp.async.bulk.tensor, "TMA") that one thread issues and that completes on the stage's mbarrier, in place of 13
 // or so 16-byte cp.async per thread (their address arithmetic was a fifth of the stage loop's instructions at
 // 64 rows: docs/benchmarks.md, twenty-third session). The maps are encoded on the host (mma.py, nvrtc.tensor_map)
 // and passed by value; the hardware writes each box row's 16-byte chunks swizzled (the 32-, 64- or 128-byte
 // pattern for rows of 32, 64 or 128 bytes: chunk c of row r at c ^ ((r / (8 / C)) % C), C chunks per row), which
-// is the activations' own swizzle (PipeStage::chunk), so only the codes' reads change.
+// is the activations' own swizzle (PipeStage::swizzle), so only the codes' reads change.
 struct alignas(64) TensorMap {  // CUtensorMap: 128 opaque bytes
   unsigned long long opaque[16];
 };
@@ -200,15 +200,18 @@ struct alignas(TMA ? 1024 : 16) PipeStage {  // 16-byte aligned: cp.async and th
   u32 x[NX][MP * 4 * CW];
   u32 scalars[GPS][MP / 2][NS][2];
   u32 wscales[ROWS * WS];  // the words holding the stage's groups' scales (from an even group: G is even)
+  // What a row's 16-byte chunk indices are XORed with: the hardware tensor copies' 32/64/128-byte swizzle for
+  // rows of C chunks, and the activations' own layout.
+  static __device__ __forceinline__ int swizzle(int row) { return (row / (8 / C)) % C; }
   // The swizzled chunk of (batch row, lane) index ml = 4 m + lane: eight consecutive ml, same chunk q, land on
   // eight different 16-byte bank quads.
-  static __device__ __forceinline__ int chunk(int ml, int q) { return ml * C + (q ^ ((ml / (8 / C)) % C)); }
+  static __device__ __forceinline__ int chunk(int ml, int q) { return ml * C + (q ^ swizzle(ml)); }
 };
 
-// Code-shape options, off by default, that the rule turns on per instance (mma.py's _ROW_OFFSETS, _CONST_START):
-// each cuts instructions per stage (table 2 of docs/benchmarks.md' twenty-third-session section) but moves ptxas'
-// register allocation, 1.05-1.14x faster where the registers still fit as many CTAs per SM, 0.80-0.93x slower
-// where they cost one. Off, each compiles to the kernel from before it (the same SASS).
+// Code-shape options, off by default, that the rule turns on per instance (mma.py's _CONST_START and _TMA; the rule
+// takes ROW_OFFSETS nowhere now): each cuts instructions per stage but moves ptxas' register allocation, so each is
+// faster on some instances and slower on others (docs/benchmarks.md, twenty-third and twenty-fourth sessions).
+// Off, each compiles to the kernel from before it (the same SASS).
 // - ROW_OFFSETS: each copy's source is a byte offset (u · row_bytes) from one pointer per stage, and the activation
 //   copies are predicated on a per-thread count of batch-row chunks rather than a comparison per copy.
 // - CONST_START: every mma starts from the constant MAGIC, and the float tail subtracts MAGIC + Σx8's float.
@@ -417,7 +420,7 @@ ternary_mma(const u32* __restrict__ codes,   // [N, KW]
   // TMA: where chunk qq of this thread's code rows lies (rows g + 8 k: one swizzle for all), in words
   int code_chunk[S::C];
 #pragma unroll
-  for (int qq = 0; qq < S::C; ++qq) code_chunk[qq] = 4 * (qq ^ ((g / (8 / S::C)) % S::C));
+  for (int qq = 0; qq < S::C; ++qq) code_chunk[qq] = 4 * (qq ^ S::swizzle(g));
 
   float acc[R][TJ][4];
 #pragma unroll

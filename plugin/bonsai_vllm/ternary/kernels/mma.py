@@ -212,15 +212,13 @@ _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow
 _TMA = {False: {"wide": set(range(1, 9)), "deep": {1, 2, 3, 4, 6, 7, 8}, "other": set(range(2, 9)),
                 "shallow": {2, 3, 4, 6, 7, 8}},
         True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
-# Column tiles T at which the instance addresses its cp.async copies by byte offsets (MmaConfig.row_offsets) and at
-# which it starts every mma from a constant (MmaConfig.const_start). Each cuts instructions per stage but moves
-# registers. The offsets won 1.05-1.10x served at 49-64 rows without tensor copies (twenty-third session), where the
-# rule now takes tensor copies, which replace the copies they change: no instance of the rule keeps them. The constant
-# start, served beside tensor copies on an H100 and checked on an H200 (twenty-fourth session): 1.02-1.09x on gate_up
-# at 9-24 and 33-64 rows, on qkv / GDN-in at every row count, on o_proj / GDN-out at 2-32 and 49-64 rows and on
-# down_proj at 17-24; without it the narrower layers lost 0.92-0.95x at 9-32 rows. It lost 0.75-0.82x where its
+# The copy offsets (MmaConfig.row_offsets) are in no table: they won 1.05-1.10x served at 49-64 rows without tensor
+# copies (twenty-third session), where the rule now takes tensor copies, which replace the copies they change.
+# Column tiles T at which the instance starts every mma from a constant (MmaConfig.const_start), which cuts
+# instructions per stage but moves registers. Served beside tensor copies on an H100 and checked on an H200
+# (twenty-fourth session): 1.02-1.09x on gate_up at 9-24 and 33-64 rows, on qkv / GDN-in at every row count, on
+# o_proj / GDN-out at 2-32 and 49-64 rows and on down_proj at 17-24; without it the narrower layers lost 0.92-0.95x at 9-32 rows. It lost 0.75-0.82x where its
 # registers cost a CTA per SM (down_proj at 33-40 and 49-64 rows, o_proj's three-stage instance at 33-40).
-_ROW_OFFSETS = {False: {}, True: {}}
 _CONST_START = {False: {"wide": {2, 3, 5, 6, 7, 8}, "deep": {3}, "other": set(range(1, 9)),
                         "shallow": {1, 2, 3, 4, 7, 8}},
                 True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
@@ -251,7 +249,6 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200, tma: bool = True) ->
     warps, rtiles, stages, gps, wm, per_sm, min_groups, *ks = _TABLES[gpu.rtx50][cls][tiles]
     cfg = MmaConfig(warps=warps, rtiles=rtiles, split=1, residual=m <= RESIDUAL_MAX_M, stages=stages, gps=gps,
                     wm=wm, ks=ks[0] if ks else 1, flat=tiles in _FLAT[gpu.rtx50].get(cls, ()),
-                    row_offsets=tiles in _ROW_OFFSETS[gpu.rtx50].get(cls, ()),
                     const_start=tiles in _CONST_START[gpu.rtx50].get(cls, ()),
                     tma=tma and tiles in _TMA[gpu.rtx50].get(cls, ()))
     if n % cfg.rows_per_cta():
