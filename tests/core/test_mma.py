@@ -66,24 +66,29 @@ def test_default_config_at_the_27bs_shapes(kern):
     ms = (2, 8, 9, 24, 32, 48, 64)
     splits = {name: [kern.mma.default_config(m, n, k).split for m in ms] for name, (k, n) in LAYERS.items()}
     # the H200 sweeps' rule (docs/benchmarks.md): one column tile: the fewest K slices giving 3 CTAs per SM
-    # (>= 4 groups each); from two, one slice, except on the deep layer (down_proj: 4-8 slices but at 33-40 rows)
-    assert splits == {"gate_up": [2, 2, 1, 1, 1, 1, 1], "down": [8, 8, 8, 4, 8, 8, 8], "qkv": [4, 4, 1, 1, 1, 1, 1],
+    # (>= 4 groups each); from two, one slice, except on the deep layer (down_proj: 4-8 slices up to 32 rows, three
+    # fixed at 33-64)
+    assert splits == {"gate_up": [2, 2, 1, 1, 1, 1, 1], "down": [8, 8, 8, 4, 8, 3, 3], "qkv": [4, 4, 1, 1, 1, 1, 1],
                       "o_proj": [4, 4, 1, 1, 1, 1, 1], "gdn_in": [4, 4, 1, 1, 1, 1, 1],
                       "gdn_out": [4, 4, 1, 1, 1, 1, 1], "lm_head": [1, 1, 1, 1, 1, 1, 1]}
-    assert [kern.mma.default_config(40, n, k).split for k, n in LAYERS.values()] == [1] * 7
+    assert [kern.mma.default_config(40, n, k).split for k, n in LAYERS.values()] == [1, 3, 1, 1, 1, 1, 1]
     # from 25 rows two stages of four groups (three at 33-40 rows), in dynamic shared memory past 48 KB
     for m in (25, 32, 41, 48, 49, 64):
         assert {(c.stages, c.gps) for c in (kern.mma.default_config(m, n, k) for k, n in LAYERS.values())} == {(2, 4)}
     assert {(c.stages, c.gps) for c in (kern.mma.default_config(40, n, k) for k, n in LAYERS.values())} == {(3, 4), (2, 4)}
-    # at six column tiles the wide layers take one batch warp and two 16-row tiles on each of two warps, the others
-    # three batch warps; at eight the deep layer four batch warps, the others two
+    # from six column tiles the wide layers take one batch warp and two 16-row tiles on each of two warps (from seven
+    # since the twenty-sixth session), the others three batch warps at six; at eight the deep layer four batch
+    # warps, the others two; the deep layer's 33-40 rows run its six-tile instance
     assert [(c.warps, c.rtiles, c.wm) for c in (kern.mma.default_config(48, n, k) for k, n in LAYERS.values())] == [
         (2, 2, 1), (4, 1, 3), (4, 1, 3), (4, 1, 3), (4, 1, 3), (4, 1, 3), (2, 2, 1)]
+    assert [(c.warps, c.rtiles, c.wm, c.ks) for c in (kern.mma.default_config(m, 17408, 5120) for m in (56, 64))] == [
+        (2, 2, 1, 2)] * 2
+    assert kern.mma.default_config(36, 5120, 8704) == kern.mma.default_config(48, 5120, 8704)
     # warps along K inside the CTA (eighteenth session): two or four where the served call gained 4-15 %
     assert {m: [kern.mma.default_config(m, n, k).ks for k, n in LAYERS.values()] for m in (16, 24, 32, 40, 48, 64)} == {
         16: [1] * 7, 24: [1, 1, 2, 2, 2, 2, 1], 32: [1, 1, 4, 4, 4, 4, 1], 40: [1] * 7,
-        48: [2, 1, 1, 1, 1, 1, 2], 64: [1] * 7}
-    assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [2, 4, 2, 2, 2, 2, 2]
+        48: [2, 1, 1, 1, 1, 1, 2], 64: [2, 1, 1, 1, 1, 1, 2]}
+    assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [1, 4, 2, 2, 2, 2, 1]
     # down_proj at 17-24 rows: 32-row CTAs beside tensor copies (twenty-fourth session), the same four K slices
     assert [(c.warps, c.split) for c in (kern.mma.default_config(m, 5120, 8704) for m in (16, 17, 24, 25))] == [
         (4, 8), (2, 4), (2, 4), (4, 8)]
@@ -190,8 +195,11 @@ EARLY_MEASURED = {
     ("gdn_in", C, 1): "eeeeooooeoooo",
     ("gdn_in", N, 1): "eeeeooooeoooo",
 }
-# Grids measured with an earlier entry of the table: gate_up's 41-48 rows ran 128-row CTAs before warps along K.
-EARLY_GRIDS = {("gate_up", T, 48): 136, ("gate_up", P, 48): 136}
+# Grids measured with an earlier entry of the table: gate_up's 41-48 rows ran 128-row CTAs before warps along K,
+# down_proj's 41-64 rows eight K slices (640 CTAs) and its 33-40 rows three stages (80 CTAs) before three slices
+# (twenty-fifth and twenty-sixth sessions).
+EARLY_GRIDS = {("gate_up", T, 48): 136, ("gate_up", P, 48): 136, ("down", P, 40): 80, ("down", P, 48): 640,
+               ("down", P, 56): 640, ("down", P, 64): 640}
 # Where the rule and the measurement part: no grid measure separates these from their neighbours (1.5-6 %).
 EARLY_MISSES = {("gate_up", P, 1, 32), ("gate_up", P, 1, 48), ("gate_up", T, 1, 48), ("gate_up", T, 2, 48),
                 ("gate_up", T, 2, 64), ("down", P, 1, 20), ("down", P, 1, 24),
@@ -283,14 +291,15 @@ def test_code_shape_flags_name_their_instance_and_where_the_rule_takes_them(kern
         assert mma.MmaConfig.parse(str(cfg)) == cfg and cfg.shared_bytes(2) == plain.shared_bytes(2)
     assert "offsets" not in str(plain) and str(both).endswith(" offsets=1 cstart=1")
     # the H100 A/B, served (twenty-fourth session, docs/benchmarks.md): tensor copies (tma) on every instance but
-    # the three-stage one of o_proj / GDN-out / down_proj and one column tile of the narrower layers; the constant
-    # start where it won beside them; the offsets nowhere (tensor copies replaced them where they won)
+    # the three-stage one of o_proj / GDN-out (down_proj's 33-40 rows run the 41-48-row instance since the
+    # twenty-sixth session) and one column tile of the narrower layers; the constant start where it won beside them;
+    # the offsets nowhere (tensor copies replaced them where they won)
     def rows(field):
         return {name: [m for m in range(2, 65) if getattr(mma.default_config(m, n, k), field)]
                 for name, (k, n) in LAYERS.items()}
     tma, cstart = rows("tma"), rows("const_start")
     assert tma["gate_up"] == tma["lm_head"] == list(range(2, 65))
-    assert tma["down"] == [*range(2, 33), *range(41, 65)]
+    assert tma["down"] == list(range(2, 65))
     assert tma["qkv"] == tma["gdn_in"] == list(range(9, 65))
     assert tma["o_proj"] == tma["gdn_out"] == [*range(9, 33), *range(41, 65)]
     assert cstart["gate_up"] == cstart["lm_head"] == [*range(9, 25), *range(33, 65)]

@@ -166,10 +166,14 @@ RTX_5070 = Gpu(120, 48)  # the target card of a 12 GB pair (docs/benchmarks.md's
 # down_proj at 17-24 rows takes 32-row CTAs (two warps): 1.07-1.08x served on an H100, 0.82-0.88x at 9-16 rows.
 _OTHER = {1: (4, 1, 2, 4, 1, 3, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2, 2), 4: (4, 1, 2, 4, 1, 0, 2, 4),
           5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
+# Twenty-sixth session (served, H200): gate_up at 49-64 rows takes the 41-48-row layout, 32-row warps of two tiles
+# with two warps along K (1.13-1.17x over four warps of one tile with two batch warps); down_proj at 33-40 rows the
+# 41-48-row instance, three batch warps over six column tiles (1.18-1.19x over three stages on five, with the three
+# K slices of _FIXED_SLICES).
 _WIDE = {**_OTHER, 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 2, 4, 1, 0, 2), 5: (4, 1, 2, 4, 1, 0, 2),
-         6: (2, 2, 2, 4, 1, 0, 2, 2)}
+         6: (2, 2, 2, 4, 1, 0, 2, 2), 7: (2, 2, 2, 4, 1, 0, 2, 2), 8: (2, 2, 2, 4, 1, 0, 2, 2)}
 _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (2, 1, 2, 4, 1, 8, 12), 4: (4, 1, 2, 4, 2, 8, 6),
-         5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 8, 6), 7: (4, 1, 2, 4, 4, 8, 6), 8: (4, 1, 2, 4, 4, 8, 6)}
+         5: (4, 1, 2, 4, 3, 8, 6), 6: (4, 1, 2, 4, 3, 8, 6), 7: (4, 1, 2, 4, 4, 8, 6), 8: (4, 1, 2, 4, 4, 8, 6)}
 # The RTX 50's tables, from sweeps on the H200 with each launch's shared memory padded so that an SM holds as
 # many CTAs of the instance as an sm_120 SM would (`bench-mma --rtx-occupancy`), on 48 SMs (`--sms 48`, a green
 # context: the RTX 5070's count); per class and column tiles the fastest configuration whose sm_120 build does
@@ -209,7 +213,7 @@ _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow
 # 1.01-1.36x faster than the tables' instances without them at 8-64 rows on all four classes (tensor copies alone:
 # 0.88-1.28x), because the sm_120 builds lose registers with them and an SM then holds more CTAs. That is an
 # emulation on an H100: no RTX 50 card has run them (BONSAI_MMA_TMA=0 turns them off).
-_TMA = {False: {"wide": set(range(1, 9)), "deep": {1, 2, 3, 4, 6, 7, 8}, "other": set(range(2, 9)),
+_TMA = {False: {"wide": set(range(1, 9)), "deep": set(range(1, 9)), "other": set(range(2, 9)),
                 "shallow": {2, 3, 4, 6, 7, 8}},
         True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
 # The copy offsets (MmaConfig.row_offsets) are in no table: they won 1.05-1.10x served at 49-64 rows without tensor
@@ -222,6 +226,11 @@ _TMA = {False: {"wide": set(range(1, 9)), "deep": {1, 2, 3, 4, 6, 7, 8}, "other"
 _CONST_START = {False: {"wide": {2, 3, 5, 6, 7, 8}, "deep": {3}, "other": set(range(1, 9)),
                         "shallow": {1, 2, 3, 4, 7, 8}},
                 True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
+# Column tiles T at which a class takes a fixed number of K slices in place of k_slices' power of two. down_proj at
+# 41-64 rows: three slices (240 CTAs of 23 groups) ran 1.04-1.07x faster served than the eight (640 CTAs of 9 groups)
+# the aim gives, on an H100 (twenty-fifth session, docs/benchmarks.md), and 1.05-1.08x on an H200 (twenty-sixth);
+# two, four, five and six were slower than eight. At 33-40 rows the same instance and slices (see _DEEP).
+_FIXED_SLICES = {False: {"deep": {5: 3, 6: 3, 7: 3, 8: 3}}, True: {}}
 _TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _OTHER, "other": _OTHER},
            True: {"deep": _RTX_DEEP, "wide": _RTX_WIDE, "shallow": _RTX_SHALLOW, "other": _RTX_OTHER}}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
@@ -240,8 +249,9 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200, tma: bool = True) ->
     does not apply (K not an even number of groups, N not whole CTA tiles, m outside 1..MAX_ROWS).
 
     The layout from the table of the GPU's architecture and the layer's class (`layer_class`) and column tiles;
-    K slices: the fewest (a power of two, with at least the table's groups each) that give the CTAs per SM
-    aimed for on the GPU's SMs. `tma` False: the same instances with per-thread copies (BONSAI_MMA_TMA=0)."""
+    K slices: the table's fixed count where it has one (_FIXED_SLICES), else the fewest (a power of two, with at
+    least the table's groups each) that give the CTAs per SM aimed for on the GPU's SMs. `tma` False: the same
+    instances with per-thread copies (BONSAI_MMA_TMA=0)."""
     if k % (2 * GROUP) or not 1 <= m <= MAX_ROWS:  # an even number of groups: scales copied 4 bytes at a time
         return None
     groups = k // GROUP
@@ -253,7 +263,8 @@ def default_config(m: int, n: int, k: int, gpu: Gpu = H200, tma: bool = True) ->
                     tma=tma and tiles in _TMA[gpu.rtx50].get(cls, ()))
     if n % cfg.rows_per_cta():
         return None
-    return replace(cfg, split=k_slices(n // cfg.rows_per_cta(), groups, per_sm, min_groups, gpu.sms))
+    fixed = _FIXED_SLICES[gpu.rtx50].get(cls, {}).get(tiles)
+    return replace(cfg, split=fixed or k_slices(n // cfg.rows_per_cta(), groups, per_sm, min_groups, gpu.sms))
 
 
 def k_slices(row_tiles: int, groups: int, per_sm: float, min_groups: int, sms: int) -> int:
