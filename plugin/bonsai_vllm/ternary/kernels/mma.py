@@ -208,7 +208,8 @@ _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow
 # arithmetic. Against the same instances without them, served (twenty-fourth session, docs/benchmarks.md): on an H100
 # 1.03-1.22x faster at 6-64 rows on gate_up and down_proj and at 16-64 on the other layers, level at 6-8 rows on
 # those; on an H200, the final rule, 1.03-1.39x. Not taken where it was level or slower: the three-stage instance of
-# o_proj / GDN-out and down_proj at 33-40 rows (0.97-0.99x), one column tile on qkv / GDN-in / o_proj. The RTX 50's
+# o_proj / GDN-out at 33-40 rows (0.97-0.99x; down_proj there runs its six-tile instance since the twenty-sixth
+# session), one column tile on qkv / GDN-in / o_proj. The RTX 50's
 # tables take them everywhere, with the constant start: on the 48-SM emulation at sm_120 occupancy, the pair ran
 # 1.01-1.36x faster than the tables' instances without them at 8-64 rows on all four classes (tensor copies alone:
 # 0.88-1.28x), because the sm_120 builds lose registers with them and an SM then holds more CTAs. That is an
