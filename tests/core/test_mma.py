@@ -76,19 +76,22 @@ def test_default_config_at_the_27bs_shapes(kern):
     for m in (25, 32, 41, 48, 49, 64):
         assert {(c.stages, c.gps) for c in (kern.mma.default_config(m, n, k) for k, n in LAYERS.values())} == {(2, 4)}
     assert {(c.stages, c.gps) for c in (kern.mma.default_config(40, n, k) for k, n in LAYERS.values())} == {(3, 4), (2, 4)}
-    # from six column tiles the wide layers take one batch warp and two 16-row tiles on each of two warps (from seven
-    # since the twenty-sixth session), the others three batch warps at six; at eight the deep layer four batch
-    # warps, the others two; the deep layer's 33-40 rows run its six-tile instance
+    # 32-row warps of two 16-row tiles (two warps per CTA): the wide layers from four column tiles with two warps
+    # along K (gate_up, LM head; twenty-sixth and twenty-seventh sessions), qkv / GDN-in at five, seven and eight
+    # tiles the same, o_proj / GDN-out at five the same and from six on two batch warps; qkv / GDN-in at six two
+    # batch warps of four one-tile warps; the deep layer three batch warps at five-six, four at seven-eight
     assert [(c.warps, c.rtiles, c.wm) for c in (kern.mma.default_config(48, n, k) for k, n in LAYERS.values())] == [
-        (2, 2, 1), (4, 1, 3), (4, 1, 3), (4, 1, 3), (4, 1, 3), (4, 1, 3), (2, 2, 1)]
-    assert [(c.warps, c.rtiles, c.wm, c.ks) for c in (kern.mma.default_config(m, 17408, 5120) for m in (56, 64))] == [
-        (2, 2, 1, 2)] * 2
+        (2, 2, 1), (4, 1, 3), (4, 1, 2), (2, 2, 2), (4, 1, 2), (2, 2, 2), (2, 2, 1)]
+    assert [(c.warps, c.rtiles, c.wm, c.ks) for c in (kern.mma.default_config(40, n, k) for k, n in LAYERS.values())] == [
+        (2, 2, 1, 2), (4, 1, 3, 1), (2, 2, 1, 2), (2, 2, 1, 2), (2, 2, 1, 2), (2, 2, 1, 2), (2, 2, 1, 2)]
+    assert [(c.warps, c.rtiles, c.wm, c.ks) for c in (kern.mma.default_config(m, 17408, 5120) for m in (32, 56, 64))] == [
+        (2, 2, 1, 2)] * 3
     assert kern.mma.default_config(36, 5120, 8704) == kern.mma.default_config(48, 5120, 8704)
     # warps along K inside the CTA (eighteenth session): two or four where the served call gained 4-15 %
     assert {m: [kern.mma.default_config(m, n, k).ks for k, n in LAYERS.values()] for m in (16, 24, 32, 40, 48, 64)} == {
-        16: [1] * 7, 24: [1, 1, 2, 2, 2, 2, 1], 32: [1, 1, 4, 4, 4, 4, 1], 40: [1] * 7,
-        48: [2, 1, 1, 1, 1, 1, 2], 64: [2, 1, 1, 1, 1, 1, 2]}
-    assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [1, 4, 2, 2, 2, 2, 1]
+        16: [1] * 7, 24: [1, 1, 2, 2, 2, 2, 1], 32: [2, 1, 4, 4, 4, 4, 2], 40: [2, 1, 2, 2, 2, 2, 2],
+        48: [2, 1, 1, 1, 1, 1, 2], 64: [2, 1, 2, 1, 2, 1, 2]}
+    assert [kern.mma.default_config(64, n, k).wm for k, n in LAYERS.values()] == [1, 4, 1, 2, 1, 2, 1]
     # down_proj at 17-24 rows: 32-row CTAs beside tensor copies (twenty-fourth session), the same four K slices
     assert [(c.warps, c.split) for c in (kern.mma.default_config(m, 5120, 8704) for m in (16, 17, 24, 25))] == [
         (4, 8), (2, 4), (2, 4), (4, 8)]
@@ -291,8 +294,8 @@ def test_code_shape_flags_name_their_instance_and_where_the_rule_takes_them(kern
         assert mma.MmaConfig.parse(str(cfg)) == cfg and cfg.shared_bytes(2) == plain.shared_bytes(2)
     assert "offsets" not in str(plain) and str(both).endswith(" offsets=1 cstart=1")
     # the H100 A/B, served (twenty-fourth session, docs/benchmarks.md): tensor copies (tma) on every instance but
-    # the three-stage one of o_proj / GDN-out (down_proj's 33-40 rows run the 41-48-row instance since the
-    # twenty-sixth session) and one column tile of the narrower layers; the constant start where it won beside them;
+    # one column tile of the narrower layers (o_proj / GDN-out's 33-40 rows take them on their two-tile warps since
+    # the twenty-seventh session); the constant start where it won beside them;
     # the offsets nowhere (tensor copies replaced them where they won)
     def rows(field):
         return {name: [m for m in range(2, 65) if getattr(mma.default_config(m, n, k), field)]
@@ -300,8 +303,7 @@ def test_code_shape_flags_name_their_instance_and_where_the_rule_takes_them(kern
     tma, cstart = rows("tma"), rows("const_start")
     assert tma["gate_up"] == tma["lm_head"] == list(range(2, 65))
     assert tma["down"] == list(range(2, 65))
-    assert tma["qkv"] == tma["gdn_in"] == list(range(9, 65))
-    assert tma["o_proj"] == tma["gdn_out"] == [*range(9, 33), *range(41, 65)]
+    assert tma["qkv"] == tma["gdn_in"] == tma["o_proj"] == tma["gdn_out"] == list(range(9, 65))
     assert cstart["gate_up"] == cstart["lm_head"] == [*range(9, 25), *range(33, 65)]
     assert cstart["down"] == list(range(17, 25))
     assert cstart["qkv"] == cstart["gdn_in"] == list(range(2, 65))
@@ -404,6 +406,10 @@ def test_the_tensor_copy_route_compiles_to_tensor_copies(kern, arch):
                 for c in (cfg, tma)}
         assert "UTMALDG" in sass[tma] and "UTMALDG" not in sass[cfg]
         assert sass[tma].count("LDGSTS") < sass[cfg].count("LDGSTS") / 2  # the scalars' copies stay per thread
+    # a tensor copy's box holds at most 256 rows: three batch warps round 56 rows up to nine column tiles, whose
+    # activations (32 words per tile) no box takes; per-thread copies run them
+    three = dataclasses.replace(mma.default_config(48, 5120, 3072), warps=4, rtiles=1, wm=3)
+    assert three.tiles(56) == 9 and not three.fits(9) and dataclasses.replace(three, tma=False).fits(9)
 
 
 def test_nvrtc_headers_resolve_includes():

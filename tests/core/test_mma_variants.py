@@ -34,9 +34,9 @@ def test_default_variants_switch_the_rules_code_shape_flags():
 
 
 def test_flag_variants_build_other_kernels_of_the_same_instance():
-    # qkv's 64-row instance (gate_up's until the twenty-sixth session, whose two-tile warps take 244-254 registers
-    # and spill with the offsets)
-    (m, rule), = mma_variants.rule_configs([64], ["qkv"], mma.H200).values()
+    # o_proj's 64-row instance (gate_up's until the twenty-sixth session, qkv's until the twenty-seventh: their
+    # two-tile warps with two warps along K take 244-254 registers and spill with the offsets)
+    (m, rule), = mma_variants.rule_configs([64], ["o_proj"], mma.H200).values()
     cp_async = dataclasses.replace(rule, tma=False)  # the offsets change the per-thread copies that tma replaces
     names = {flags: mma.template(m, dataclasses.replace(cp_async, row_offsets=o, const_start=c), torch.bfloat16)
              for flags in ((False, False), (True, False), (True, True)) for o, c in [flags]}

@@ -101,7 +101,8 @@ class MmaConfig:
         barriers = 8 * self.stages if self.tma else 0  # tma: an mbarrier per stage, in static shared memory
         return (tiles % self.wm == 0 and self.gps % self.ks == 0 and self.threads() <= 1024
                 and self.shared_bytes(tiles) + barriers <= SHARED_MAX
-                and (not self.tma or self.rows_per_cta() <= 256))  # a tensor copy's box: at most 256 rows
+                # a tensor copy's box: at most 256 rows (the codes' CTA rows; the activations' 32 per tile)
+                and (not self.tma or (self.rows_per_cta() <= 256 and tiles <= 8)))
 
 
 # Dynamic shared memory of one CTA: sm_120's opt-in limit per block (99 KB; the H200's is 227 KB), less the
@@ -166,12 +167,26 @@ RTX_5070 = Gpu(120, 48)  # the target card of a 12 GB pair (docs/benchmarks.md's
 # down_proj at 17-24 rows takes 32-row CTAs (two warps): 1.07-1.08x served on an H100, 0.82-0.88x at 9-16 rows.
 _OTHER = {1: (4, 1, 2, 4, 1, 3, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1, 0, 2, 2), 4: (4, 1, 2, 4, 1, 0, 2, 4),
           5: (4, 1, 3, 4, 1, 0, 2), 6: (4, 1, 2, 4, 3, 0, 2), 7: (4, 1, 2, 4, 2, 0, 2), 8: (4, 1, 2, 4, 2, 0, 2)}
-# Twenty-sixth session (served, H200): gate_up at 49-64 rows takes the 41-48-row layout, 32-row warps of two tiles
-# with two warps along K (1.13-1.17x over four warps of one tile with two batch warps); down_proj at 33-40 rows the
-# 41-48-row instance, three batch warps over six column tiles (1.18-1.19x over three stages on five, with the three
-# K slices of _FIXED_SLICES).
-_WIDE = {**_OTHER, 3: (4, 1, 2, 4, 1, 0, 2), 4: (4, 1, 2, 4, 1, 0, 2), 5: (4, 1, 2, 4, 1, 0, 2),
+# The 32-row warps of two 16-row tiles with two warps along K (gate_up's 41-48-row layout), re-swept at the
+# neighbouring row counts with tensor copies, served on an H200 (docs/benchmarks.md, issue 19):
+# - gate_up (and the LM head): at 49-64 rows 1.13-1.17x over four warps of one tile with two batch warps (twenty-
+#   sixth session), at 25-40 rows 1.04-1.06x over four warps of one tile (twenty-seventh).
+# - qkv / GDN-in (twenty-seventh): 1.08x at 33-40 rows (three stages kept), 1.09-1.11x at 49-64 over four warps
+#   of one tile with two batch warps; at 41-48 rows, where that layout spills, two batch warps of one-tile warps
+#   ran 1.04-1.05x faster than three.
+# - o_proj / GDN-out (twenty-seventh): 1.10-1.12x at 33-40 rows (three stages, now with tensor copies) over four
+#   warps of one tile without them; from 41 rows the two-tile warps with two batch warps instead of warps along K,
+#   1.09x at 41-48 and 1.04-1.05x at 49-64.
+# - down_proj at 33-40 rows runs its 41-48-row instance, three batch warps over six column tiles (1.18-1.19x over
+#   three stages on five, with the three K slices of _FIXED_SLICES; twenty-sixth).
+# Where they lost: the two-tile layout on qkv / o_proj at 25-32 rows (0.79-0.92x), with K warps on o_proj at 41-48
+# (0.98x) and on qkv there (0.87x, it spills); K slices other than the rule's on down_proj at 17-32 rows.
+_WIDE = {**_OTHER, 3: (4, 1, 2, 4, 1, 0, 2), 4: (2, 2, 2, 4, 1, 0, 2, 2), 5: (2, 2, 2, 4, 1, 0, 2, 2),
          6: (2, 2, 2, 4, 1, 0, 2, 2), 7: (2, 2, 2, 4, 1, 0, 2, 2), 8: (2, 2, 2, 4, 1, 0, 2, 2)}
+_QKV = {**_OTHER, 5: (2, 2, 3, 4, 1, 0, 2, 2), 6: (4, 1, 2, 4, 2, 0, 2), 7: (2, 2, 2, 4, 1, 0, 2, 2),
+        8: (2, 2, 2, 4, 1, 0, 2, 2)}  # the "other" class: qkv, GDN-in
+_SHALLOW = {**_OTHER, 5: (2, 2, 3, 4, 1, 0, 2, 2), 6: (2, 2, 2, 4, 2, 0, 2), 7: (2, 2, 2, 4, 2, 0, 2),
+            8: (2, 2, 2, 4, 2, 0, 2)}  # o_proj, GDN-out
 _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (2, 1, 2, 4, 1, 8, 12), 4: (4, 1, 2, 4, 2, 8, 6),
          5: (4, 1, 2, 4, 3, 8, 6), 6: (4, 1, 2, 4, 3, 8, 6), 7: (4, 1, 2, 4, 4, 8, 6), 8: (4, 1, 2, 4, 4, 8, 6)}
 # The RTX 50's tables, from sweeps on the H200 with each launch's shared memory padded so that an SM holds as
@@ -207,23 +222,25 @@ _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow
 # bulk copy per operand and stage, issued by one thread, in place of about 13 cp.async per thread and their address
 # arithmetic. Against the same instances without them, served (twenty-fourth session, docs/benchmarks.md): on an H100
 # 1.03-1.22x faster at 6-64 rows on gate_up and down_proj and at 16-64 on the other layers, level at 6-8 rows on
-# those; on an H200, the final rule, 1.03-1.39x. Not taken where it was level or slower: the three-stage instance of
-# o_proj / GDN-out at 33-40 rows (0.97-0.99x; down_proj there runs its six-tile instance since the twenty-sixth
-# session), one column tile on qkv / GDN-in / o_proj. The RTX 50's
+# those; on an H200, the final rule, 1.03-1.39x. Not taken where it was level or slower: one column tile on qkv /
+# GDN-in / o_proj (and until the twenty-seventh session o_proj's four-warp three-stage instance at 33-40 rows,
+# 0.97-0.99x; its two-tile warps take them). The RTX 50's
 # tables take them everywhere, with the constant start: on the 48-SM emulation at sm_120 occupancy, the pair ran
 # 1.01-1.36x faster than the tables' instances without them at 8-64 rows on all four classes (tensor copies alone:
 # 0.88-1.28x), because the sm_120 builds lose registers with them and an SM then holds more CTAs. That is an
 # emulation on an H100: no RTX 50 card has run them (BONSAI_MMA_TMA=0 turns them off).
 _TMA = {False: {"wide": set(range(1, 9)), "deep": set(range(1, 9)), "other": set(range(2, 9)),
-                "shallow": {2, 3, 4, 6, 7, 8}},
+                "shallow": set(range(2, 9))},
         True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
 # The copy offsets (MmaConfig.row_offsets) are in no table: they won 1.05-1.10x served at 49-64 rows without tensor
 # copies (twenty-third session), where the rule now takes tensor copies, which replace the copies they change.
 # Column tiles T at which the instance starts every mma from a constant (MmaConfig.const_start), which cuts
 # instructions per stage but moves registers. Served beside tensor copies on an H100 and checked on an H200
 # (twenty-fourth session): 1.02-1.09x on gate_up at 9-24 and 33-64 rows, on qkv / GDN-in at every row count, on
-# o_proj / GDN-out at 2-32 and 49-64 rows and on down_proj at 17-24; without it the narrower layers lost 0.92-0.95x at 9-32 rows. It lost 0.75-0.82x where its
-# registers cost a CTA per SM (down_proj at 33-40 and 49-64 rows, o_proj's three-stage instance at 33-40).
+# o_proj / GDN-out at 2-32 and 49-64 rows and on down_proj at 17-24; without it the narrower layers lost
+# 0.92-0.95x at 9-32 rows. It lost 0.75-0.82x where its registers cost a CTA per SM (down_proj at 33-40 and 49-64
+# rows, o_proj's three-stage instance at 33-40). The twenty-seventh session's layouts kept each row count's flag as
+# it was (measured so; the flag not re-swept on them).
 _CONST_START = {False: {"wide": {2, 3, 5, 6, 7, 8}, "deep": {3}, "other": set(range(1, 9)),
                         "shallow": {1, 2, 3, 4, 7, 8}},
                 True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
@@ -232,7 +249,7 @@ _CONST_START = {False: {"wide": {2, 3, 5, 6, 7, 8}, "deep": {3}, "other": set(ra
 # the aim gives, on an H100 (twenty-fifth session, docs/benchmarks.md), and 1.05-1.08x on an H200 (twenty-sixth);
 # two, four, five and six were slower than eight. At 33-40 rows the same instance and slices (see _DEEP).
 _FIXED_SLICES = {False: {"deep": {5: 3, 6: 3, 7: 3, 8: 3}}, True: {}}
-_TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _OTHER, "other": _OTHER},
+_TABLES = {False: {"deep": _DEEP, "wide": _WIDE, "shallow": _SHALLOW, "other": _QKV},
            True: {"deep": _RTX_DEEP, "wide": _RTX_WIDE, "shallow": _RTX_SHALLOW, "other": _RTX_OTHER}}
 WIDE_N = 16384  # outputs from which a layer is "wide" (gate_up's 17408 per rank; the LM head)
 DEEP_GROUPS = 64  # groups of 128 inputs from which a layer is "deep" (down_proj's 68 per rank)
