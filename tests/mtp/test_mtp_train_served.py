@@ -11,8 +11,10 @@ MTP head (most drafts rejected):
    vLLM with MTP on serves the held-out prompts: acceptance rises from near zero to well above 30 %;
 5. with drafts now accepted (their KV rows written and kept: report 000's 17×23 = 393 bug, under a
    quantized KV cache, appeared only then), its greedy tokens equal a vLLM with MTP off in the same
-   setting, token for token up to the first near-tie of the MTP-off run's top two logprobs (float
-   reordering between one- and two-query rows may flip a tie).
+   setting, token for token until the two first differ, which may happen only at a near-tie of the MTP-off
+   run's top two logprobs (float reordering between one- and two-query rows may flip a tie). The tiny
+   model's colour sentences tie on their colours (the corpus draws them at random): a comparison that stopped
+   at the first near-tie compared one token of most answers (CI, 2026-12-06).
 
 Run alone: `python tests/mtp/test_mtp_train_served.py MODEL_DIR WORKDIR` prints the figures.
 """
@@ -79,11 +81,14 @@ def serve_held_out(url: str, held: list[list[dict]], margins: bool = False
 
 def decisive_agreement(on: list[tuple[list[int], list[float]]], off: list[tuple[list[int], list[float]]]
                        ) -> list[tuple[int, int, bool]]:
-    """Per prompt: (tokens compared = up to the MTP-off run's first near-tie, answer length, equal there)."""
+    """Per prompt: (tokens compared = up to where the MTP-on and MTP-off answers first differ, the whole answer if
+    they never do; answer length; whether they never differ or first differ at a near-tie of the MTP-off run)."""
     rows = []
     for (ids_on, _), (ids_off, margins) in zip(on, off):
-        upto = next((i for i, m in enumerate(margins) if m <= TIE), len(margins))
-        rows.append((upto, len(ids_off), ids_on[:upto] == ids_off[:upto]))
+        same = min(len(ids_on), len(ids_off))
+        upto = next((i for i in range(same) if ids_on[i] != ids_off[i]), same)
+        ok = len(ids_on) == len(ids_off) == upto or (upto < len(margins) and margins[upto] <= TIE)
+        rows.append((upto, len(ids_off), ok))
     return rows
 
 
@@ -139,7 +144,7 @@ def test_retrained_head_is_accepted_and_changes_no_token(tiny_mtp, tmp_path):
           f"({res['before_drafts']:.0f} drafts)")
     for name, got in res["settings"].items():
         print(f"{name}, retrained head: acceptance {got['after']:.1%} ({got['drafts']:.0f} drafts); MTP on vs off, "
-              f"per prompt (tokens compared, answer length, equal): {got['agreement']}")
+              f"per prompt (tokens equal before they differ, answer length, differ only at a near-tie): {got['agreement']}")
     assert res["extracted"] == res["collected"] == 24
     assert res["before_drafts"] > 0 and res["before"] < 0.1
     k3v2 = res["settings"]["K3V2, TP=2"]
@@ -147,8 +152,8 @@ def test_retrained_head_is_accepted_and_changes_no_token(tiny_mtp, tmp_path):
     for name, got in res["settings"].items():
         assert got["drafts"] > 0 and got["after"] > 0.3, (name, got["after"])
         # Drafts decide only how many tokens a step yields, never which: with most of them accepted now
-        # (their KV rows kept), the greedy answer is MTP off's, up to a near-tie float reordering may flip.
-        assert all(equal for _, _, equal in got["agreement"]), (name, got["agreement"])
+        # (their KV rows kept), the greedy answer is MTP off's, but for a near-tie float reordering may flip.
+        assert all(ok for _, _, ok in got["agreement"]), (name, got["agreement"])
         assert sum(n for n, _, _ in got["agreement"]) >= len(got["agreement"]) * 8, (name, got["agreement"])
 
 
