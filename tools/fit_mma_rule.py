@@ -8,7 +8,8 @@ per layer and row count. Here, for each class (`mma.layer_class`) and column-til
 configuration is scored by its time over the fastest one's, summed over the class's layers swept at that T
 (a configuration some of them did not time is out), and the lowest score whose instance builds without spills for
 `--target` (NVRTC + cuobjdump, as `make compile-check`; no GPU) becomes the entry. Its K slices become "CTAs per
-SM" on the SMs the sweep ran on (the JSON's `sms`), the form the tables take. A later file's point replaces an
+SM" on the SMs the sweep ran on (the JSON's `sms`), the form the tables take; a count no such aim gives (three,
+say: `mma.k_slices` makes powers of two) is printed for `mma._FIXED_SLICES`. A later file's point replaces an
 earlier one's. The output is the entries as Python (paste into the tables by hand: the tables' comments say
 which sweep each came from) and a table of each layer's loss against its own best and against today's rule.
 """
@@ -51,6 +52,7 @@ class Fit:
     tiles: int
     config: MmaConfig  # as swept (its split taken on `sms` SMs)
     entry: Entry
+    fixed: int | None  # K slices for mma._FIXED_SLICES where no aim of the entry gives them
     losses: dict[str, float]  # layer -> the chosen config's time over that layer's best
     skipped: list[str]  # faster configurations refused for spilling
 
@@ -66,18 +68,30 @@ def load(paths: list[Path], sms: int = mma.H200.sms) -> list[Point]:
     return list(points.values())
 
 
-def entry(config: MmaConfig, n: int, k: int, sms: int) -> Entry:
-    """The table row that gives `config` (its split included) for an [N, K] layer on `sms` SMs."""
+def slice_aim(config: MmaConfig, n: int, k: int, sms: int) -> tuple[float, int] | None:
+    """(CTAs per SM, fewest groups per slice): the aim that makes `mma.k_slices` give `config`'s K slices for an
+    [N, K] layer on `sms` SMs; None where no aim does (k_slices makes powers of two only: three slices, say), so
+    the tables name the count in `mma._FIXED_SLICES` instead."""
     groups, row_tiles = k // GROUP, n // config.rows_per_cta()
     if config.split == 1:
-        per_sm, min_groups = 0, 2
-    else:
-        # the slices double while row_tiles · split < per_sm · sms: aim at exactly row_tiles · split CTAs
-        per_sm, min_groups = row_tiles * config.split / sms, groups // config.split
-        per_sm = int(per_sm) if per_sm == int(per_sm) else round(per_sm, 3)
-    assert mma.k_slices(row_tiles, groups, per_sm, min_groups, sms) == config.split, (config, n, k, sms)
+        return 0, 2
+    # the slices double while row_tiles · split < per_sm · sms: aim at exactly row_tiles · split CTAs
+    per_sm, min_groups = row_tiles * config.split / sms, groups // config.split
+    per_sm = int(per_sm) if per_sm == int(per_sm) else round(per_sm, 3)
+    return (per_sm, min_groups) if mma.k_slices(row_tiles, groups, per_sm, min_groups, sms) == config.split else None
+
+
+def entry(config: MmaConfig, n: int, k: int, sms: int) -> Entry:
+    """The table row that gives `config`'s layout for an [N, K] layer on `sms` SMs, its K slices included where an
+    aim gives them (else one slice by the aim, and `fixed_slices` names the count)."""
+    per_sm, min_groups = slice_aim(config, n, k, sms) or (0, 2)
     row = (config.warps, config.rtiles, config.stages, config.gps, config.wm, per_sm, min_groups)
     return row + (config.ks,) if config.ks > 1 else row
+
+
+def fixed_slices(config: MmaConfig, n: int, k: int, sms: int) -> int | None:
+    """`config`'s K slices where the table must name them (`mma._FIXED_SLICES`), else None."""
+    return None if slice_aim(config, n, k, sms) else config.split
 
 
 def spills_on(target: int) -> Callable[[int, MmaConfig], bool]:
@@ -108,7 +122,7 @@ def fit(points: list[Point], spills: Callable[[int, MmaConfig], bool]) -> list[F
                 continue
             first = group[0]
             fits.append(Fit(cls, tiles, config, entry(config, first.n, first.k, first.sms),
-                            {p.layer: p.times[config] / p.best_us for p in group}, skipped))
+                            fixed_slices(config, first.n, first.k, first.sms), {p.layer: p.times[config] / p.best_us for p in group}, skipped))
             break
     return fits
 
@@ -125,11 +139,15 @@ def report(fits: list[Fit], points: list[Point], target: int) -> str:
         losses = ", ".join(f"{layer} {v:.2f}" for layer, v in f.losses.items())
         lines.append(f"| {f.cls} | {f.tiles} | {f.entry} | {f.config} | {losses} | {', '.join(today)} | "
                      f"{len(f.skipped)} |")
-    tables = defaultdict(dict)
+    tables, fixed = defaultdict(dict), defaultdict(dict)
     for f in fits:
         tables[f.cls][f.tiles] = f.entry
+        if f.fixed:
+            fixed[f.cls][f.tiles] = f.fixed
     lines.append("")
     lines += [f"{cls}: {dict(sorted(t.items()))}" for cls, t in sorted(tables.items())]
+    if fixed:
+        lines.append(f"_FIXED_SLICES: {dict(sorted((cls, dict(sorted(t.items()))) for cls, t in fixed.items()))}")
     return "\n".join(lines)
 
 

@@ -76,3 +76,16 @@ def test_spilling_configs_are_skipped_and_splits_become_ctas_per_sm(fit_rule, tm
     assert (warps, rtiles, stages, gps, wm) == (8, 1, 4, 1, 1)
     assert k_slices(5120 // 128, 8704 // 128, per_sm, min_groups, 48) == 8
     assert "deep: {3: (8, 1, 4, 1, 1," in fit_rule.report([f], points, 120)
+
+
+def test_a_slice_count_no_aim_gives_is_named_for_the_fixed_slices(fit_rule, tmp_path):
+    # down_proj at 48 rows on three K slices (twenty-sixth session): k_slices doubles, so no CTAs-per-SM aim gives
+    # three; the entry keeps the layout with one slice by its aim and the report names three for _FIXED_SLICES
+    three, eight = C(wm=3, split=3), C(wm=3, split=8)
+    path = sweep_file(tmp_path, "s.json", [("down", 8704, 5120, 48, {three: 28.9, eight: 31.0})], sms=132)
+    (f,) = fit_rule.fit(fit_rule.load([path]), spills=lambda m, c: False)
+    assert f.config == three and f.fixed == 3
+    assert f.entry == (4, 1, 2, 4, 3, 0, 2)
+    assert fit_rule.slice_aim(eight, 5120, 8704, 132) is not None and fit_rule.fixed_slices(eight, 5120, 8704, 132) is None
+    report = fit_rule.report([f], fit_rule.load([path]), 90)
+    assert "deep: {6: (4, 1, 2, 4, 3, 0, 2)}" in report and "_FIXED_SLICES: {'deep': {6: 3}}" in report
