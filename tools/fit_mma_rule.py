@@ -122,7 +122,8 @@ def fit(points: list[Point], spills: Callable[[int, MmaConfig], bool]) -> list[F
                 continue
             first = group[0]
             fits.append(Fit(cls, tiles, config, entry(config, first.n, first.k, first.sms),
-                            fixed_slices(config, first.n, first.k, first.sms), {p.layer: p.times[config] / p.best_us for p in group}, skipped))
+                            fixed_slices(config, first.n, first.k, first.sms),
+                            {p.layer: p.times[config] / p.best_us for p in group}, skipped))
             break
     return fits
 

@@ -295,8 +295,8 @@ def test_code_shape_flags_name_their_instance_and_where_the_rule_takes_them(kern
     assert "offsets" not in str(plain) and str(both).endswith(" offsets=1 cstart=1")
     # the H100 A/B, served (twenty-fourth session, docs/benchmarks.md): tensor copies (tma) on every instance but
     # one column tile of the narrower layers (o_proj / GDN-out's 33-40 rows take them on their two-tile warps since
-    # the twenty-seventh session); the constant start where it won beside them;
-    # the offsets nowhere (tensor copies replaced them where they won)
+    # the twenty-seventh session); the constant start where it won beside them; the offsets nowhere (tensor copies
+    # replaced them where they won)
     def rows(field):
         return {name: [m for m in range(2, 65) if getattr(mma.default_config(m, n, k), field)]
                 for name, (k, n) in LAYERS.items()}

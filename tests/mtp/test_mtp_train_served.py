@@ -144,7 +144,8 @@ def test_retrained_head_is_accepted_and_changes_no_token(tiny_mtp, tmp_path):
           f"({res['before_drafts']:.0f} drafts)")
     for name, got in res["settings"].items():
         print(f"{name}, retrained head: acceptance {got['after']:.1%} ({got['drafts']:.0f} drafts); MTP on vs off, "
-              f"per prompt (tokens equal before they differ, answer length, differ only at a near-tie): {got['agreement']}")
+              f"per prompt (tokens equal before they differ, answer length, differ only at a near-tie): "
+              f"{got['agreement']}")
     assert res["extracted"] == res["collected"] == 24
     assert res["before_drafts"] > 0 and res["before"] < 0.1
     k3v2 = res["settings"]["K3V2, TP=2"]

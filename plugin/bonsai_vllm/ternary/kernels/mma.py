@@ -226,11 +226,11 @@ _FLAT = {False: {"wide": {2, 3, 7, 8}, "deep": {2, 3}, "other": {7, 8}, "shallow
 # 1.03-1.22x faster at 6-64 rows on gate_up and down_proj and at 16-64 on the other layers, level at 6-8 rows on
 # those; on an H200, the final rule, 1.03-1.39x. Not taken where it was level or slower: one column tile on qkv /
 # GDN-in / o_proj (and until the twenty-seventh session o_proj's four-warp three-stage instance at 33-40 rows,
-# 0.97-0.99x; its two-tile warps take them). The RTX 50's
-# tables take them everywhere, with the constant start: on the 48-SM emulation at sm_120 occupancy, the pair ran
-# 1.01-1.36x faster than the tables' instances without them at 8-64 rows on all four classes (tensor copies alone:
-# 0.88-1.28x), because the sm_120 builds lose registers with them and an SM then holds more CTAs. That is an
-# emulation on an H100: no RTX 50 card has run them (BONSAI_MMA_TMA=0 turns them off).
+# 0.97-0.99x; its two-tile warps take them). The RTX 50's tables take them everywhere, with the constant start:
+# on the 48-SM emulation at sm_120 occupancy, the pair ran 1.01-1.36x faster than the tables' instances without
+# them at 8-64 rows on all four classes (tensor copies alone: 0.88-1.28x), because the sm_120 builds lose
+# registers with them and an SM then holds more CTAs. That is an emulation on an H100: no RTX 50 card has run them
+# (BONSAI_MMA_TMA=0 turns them off).
 _TMA = {False: {"wide": set(range(1, 9)), "deep": set(range(1, 9)), "other": set(range(2, 9)),
                 "shallow": set(range(2, 9))},
         True: {cls: set(range(1, 9)) for cls in ("wide", "deep", "other", "shallow")}}
