@@ -135,8 +135,8 @@ SETTINGS: tuple[Setting, ...] = (
             "steps during which a just-preempted request cannot trigger a preemption itself",
             "scheduling.py (PolicyConfig.from_env)", minimum=0),
     Setting("BONSAI_SCHED_TRACE", "path", None,
-            "a file the scheduler appends one JSON line per step to (tokens, prefill tokens, decoding "
-            "requests, preemptions); unset: no trace",
+            "a file the scheduler appends one JSON line per step to (wall-clock time, tokens, prefill tokens, "
+            "decoding requests, preemptions); unset: no trace",
             "adapters/scheduler.py"),
     # ---- the SSD embedding (embeddings.py, adapters/embedding.py; docs/ssd-embeddings.md)
     Setting("BONSAI_SSD_EMBED_DIR", "path", None,

@@ -15,7 +15,8 @@ subclass turns async scheduling off). Before each step:
 The decisions are `bonsai_vllm.scheduling`; this file applies them to vLLM's state. Knobs:
 `BONSAI_PRIORITY_PREEMPT=0` (stock behaviour), `BONSAI_PREFILL_BUDGET_DECODING`,
 `BONSAI_PREFILL_CHUNK_IDLE` (0 disables the budget), `BONSAI_PREEMPT_COOLDOWN`, and
-`BONSAI_SCHED_TRACE=/path` — one JSON line per step (tokens scheduled, prefill tokens, preemptions).
+`BONSAI_SCHED_TRACE=/path` — one JSON line per step (its wall-clock time, tokens scheduled, prefill tokens,
+preemptions).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class PreemptMixin:
         # A decoding request's tokens beyond its decode share would be prefill; everyone else's are.
         prefill = sum(max(0, n - decoding.get(rid, 0)) for rid, n in counts.items())
         self.bonsai_trace.write(json.dumps({
-            "step": step, "total": output.total_num_scheduled_tokens, "prefill": prefill,
+            "step": step, "time": time.time(), "total": output.total_num_scheduled_tokens, "prefill": prefill,
             "decoding": len(decoding), "requests": counts, "preempted": preempted,
             "running": len(self.running), "waiting": len(self.waiting)}) + "\n")
 
