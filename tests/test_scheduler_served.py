@@ -219,8 +219,9 @@ def run_long_document(url: str, trace) -> list[dict]:
     far more tokens than it needs and is stopped once the document is done: a fixed length raced the machine's
     speed (60 and then 200 tokens ran out first on CI, 2026-11-29). Even 1800 tokens ran out twice (CI,
     2026-12-07, and a module run before): the document reached the engine only as the agent ended, ~48 s after
-    the client had sent it. Such a run says nothing about the budget and is repeated, printing where the
-    time went (the trace's step times are the engine's clock)."""
+    the client was to send it (whether the client or the API server held it is not known). Such a run says
+    nothing about the budget and is repeated, printing where the time went (the trace's step times are the
+    engine's clock)."""
     for _ in range(3):
         before = len(trace_lines(trace))
         agent = Stream(url, 10, MAX_AGENT_TOKENS)
