@@ -174,8 +174,14 @@ class StubUpstream:
                         self.wfile.flush()
                         seen.chunks_sent = i + 1
                         time.sleep(delay)
-                    self.wfile.write(frame(b"data: [DONE]\n\n") + (b"0\r\n\r\n" if chunked else b""))
+                    self.wfile.write(frame(b"data: [DONE]\n\n"))
                     self.wfile.flush()
+                    # X-Stub-Tail: seconds between [DONE] and the stream's end (the terminating chunk, or
+                    # the close), as when a busy server is slow to finish the response after its last event.
+                    time.sleep(float(self.headers.get("X-Stub-Tail", "0")))
+                    if chunked:
+                        self.wfile.write(b"0\r\n\r\n")
+                        self.wfile.flush()
                 except OSError:  # the client went away (BrokenPipe, reset), or kill() closed the socket
                     seen.aborted = True
                     self.close_connection = True

@@ -57,6 +57,25 @@ def test_concurrent_limit_counts_streams_in_flight(gateway, stub):
     assert requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one")).status_code == 200
 
 
+def test_stream_gives_its_slot_back_at_done(gateway, stub):
+    # A client that stops reading at [DONE] and sends its next request at once must not be refused, even
+    # while the model server has not yet ended the response (here it waits 2 s after [DONE]).
+    body = b'{"model":"m","stream":true}'
+    sock = raw_request(gateway.port, "POST", CHAT, {**auth("one"), "Content-Length": str(len(body)),
+                                                     "X-Stub-Chunks": "2", "X-Stub-Delay": "0.05",
+                                                     "X-Stub-Tail": "2"}, body)
+    try:
+        status, head, rest = read_head(sock)
+        assert status == 200
+        events = list(stream_events(sock, rest))
+        assert events[-1][1] == b"[DONE]"
+        assert not stub.find(head["x-request-id"]).finished.is_set()  # the upstream is still in its tail
+        resp = requests.post(gateway.url + CHAT, data=b'{"model":"m"}', headers=auth("one"))
+        assert resp.status_code == 200, resp.text
+    finally:
+        sock.close()
+
+
 def test_answer_with_length_holds_slot_until_its_last_byte(gateway, stub):
     # An answer with a Content-Length gives its slot back as its final byte passes the gateway (not
     # when nginx later flags the end, which comes after the client already has everything). Counted

@@ -216,8 +216,11 @@ end
 -- proxy_buffering off nginx writes the upstream's bytes to the client first and only then, when it
 -- finalizes the upstream request, sends the last-buffer flag through this filter -- by which time the
 -- client has every byte it was promised (CI saw that race once in 150 back-to-back requests). So such an
--- answer gives the slot back as its final byte passes here, on its way to the socket. A chunked answer
--- (streams) is safe with the flag: its terminating chunk is written by the chunked filter after this one.
+-- answer gives the slot back as its final byte passes here, on its way to the socket. A stream is over for
+-- its client at the "data: [DONE]" event, not at the terminating chunk that nginx writes only after the
+-- upstream's end reaches it: a client that stops reading at [DONE] and sends its next request at once
+-- could beat the last-buffer flag here (CI saw that 429 once). So a stream gives its slot back as the
+-- [DONE] event passes, and the flag is the fallback for a stream whose [DONE] was split across buffers.
 function M.body_filter()
     local var = ngx.var
     if cut_off_stream(var) then
@@ -229,6 +232,9 @@ function M.body_filter()
         return
     end
     local done = ngx.arg[2]
+    if not done and var.gw_stream == "true" then
+        done = find(ngx.arg[1], "data: [DONE]", 1, true) ~= nil
+    end
     if not done then
         local length = tonumber(ngx.header["Content-Length"])
         if length then
