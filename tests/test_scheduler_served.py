@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from bonsai_vllm.testing.devserver import VllmServer
+from bonsai_vllm.testing.http_clock import NAME_HEADER, TRACE_ENV, read_events
 
 SCHEDULER = "bonsai_vllm.adapters.scheduler.AsyncPreemptScheduler"
 SOLO_TOKENS = 160  # the agent request alone: its text to compare with, and the machine's decode rate
@@ -28,14 +29,25 @@ COUNTING = "Counting up: " + " ".join(str(i) for i in range(1, 30))
 
 
 def server_args(max_seqs: int = 2) -> list[str]:
-    return ["--scheduling-policy", "priority", "--scheduler-cls", SCHEDULER, "--max-num-seqs", str(max_seqs)]
+    return ["--scheduling-policy", "priority", "--scheduler-cls", SCHEDULER, "--max-num-seqs", str(max_seqs),
+            "--middleware", "bonsai_vllm.testing.http_clock.HttpClock"]
+
+
+def traces_env(trace) -> dict[str, str]:
+    """The scheduler's trace at `trace`, the API server's request clock beside it (see http_clock)."""
+    return {"BONSAI_SCHED_TRACE": str(trace), TRACE_ENV: str(http_trace(trace))}
+
+
+def http_trace(trace):
+    return trace.with_name(trace.stem + "-http.jsonl")
 
 
 class Stream(threading.Thread):
     """One streaming completion in a thread: token count, first-token and end times."""
 
-    def __init__(self, url: str, priority: int, max_tokens: int, prompt: str = COUNTING):
+    def __init__(self, url: str, priority: int, max_tokens: int, prompt: str = COUNTING, name: str = ""):
         super().__init__(daemon=True)
+        self.name = name  # sent as X-Test-Stream: the API server's request clock records it
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
         self.priority, self.max_tokens, self.prompt = priority, max_tokens, prompt
         self.start_time = self.first_token = self.end = None
@@ -52,7 +64,8 @@ class Stream(threading.Thread):
             stream = self.client.completions.create(
                 model="tiny", prompt=self.prompt, max_tokens=self.max_tokens, temperature=0.0, stream=True,
                 stream_options={"include_usage": True},
-                extra_body={"priority": self.priority, "ignore_eos": True, "return_token_ids": True})
+                extra_body={"priority": self.priority, "ignore_eos": True, "return_token_ids": True},
+                extra_headers={NAME_HEADER: self.name})
             for chunk in stream:
                 if self.stop.is_set():
                     stream.close()
@@ -129,21 +142,56 @@ def chat_met_agents(steps: list[dict]) -> bool:
     return after >= MET_STEPS
 
 
+def wait_engine(trace, before: int, requests: int, steps: int, timeout: float = 120) -> None:
+    """Wait until the scheduler's trace (from line `before`) shows `requests` requests each scheduled in at least
+    `steps` steps: the engine's own word that they hold their slots. The client's token counts lagged the engine
+    by tens of seconds on CI (see timeline), so a request meant to meet them is sent on the engine's record."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        counts: dict[str, int] = {}
+        for s in trace_lines(trace)[before:]:
+            for rid in s["requests"]:
+                counts[rid] = counts.get(rid, 0) + 1
+        if sum(n >= steps for n in counts.values()) >= requests:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the engine did not schedule {requests} requests for {steps} steps in {timeout:.0f} s")
+
+
+def timeline(trace, before: int, streams: list[Stream]) -> str:
+    """Where each stream's time went, in seconds after the first was sent: the client sent it, the API server
+    got it and began its answer (http_clock), the client's first token and its end; and the engine's first step
+    of each request in order of arrival. A late engine step after an early arrival is the server holding a
+    request; a late arrival after an early send is the client; a late send is the test's own wait."""
+    t0 = min(s.start_time for s in streams)
+    zero = t0 + time.time() - time.monotonic()  # the client's clock is monotonic; the traces' is time.time()
+    events = {(e["name"], e["event"]): round(e["time"] - zero, 2) for e in read_events(http_trace(trace))
+              if e["time"] >= zero - 1}
+    parts = []
+    for s in streams:
+        first = f"{s.first_token - t0:.2f}" if s.first_token else "none"
+        parts.append(f"{s.name}: sent {s.start_time - t0:.2f}, arrived {events.get((s.name, 'arrived'))}, "
+                     f"answered {events.get((s.name, 'answered'))}, first token {first}, "
+                     f"end {s.end - t0:.2f} ({s.tokens} tokens)")
+    steps = trace_lines(trace)[before:]
+    engine = [round(next(s["time"] for s in steps if rid in s["requests"]) - zero, 2) for rid in scheduled_spans(steps)]
+    return "; ".join(parts) + f"; engine's first step of each request {engine}"
+
+
 def run_contention(url: str, trace, chat_priority: int,
                    agent_tokens: int) -> tuple[list[Stream], Stream, list[dict], int]:
     """Two priority-10 agents hold both slots, then a chat request of `chat_priority` arrives. Returns the
-    streams, this run's trace steps and the agents' length. The chat must reach the engine while the agents
-    still decode; when the trace shows it did not (CI, 2026-12-04: a 564-token agent ended before the chat was
-    sent, though the client had read only a few tokens when it sent it), the run says nothing about the
-    scheduler and is repeated with agents twice as long."""
+    streams, this run's trace steps and the agents' length. The chat is sent once the engine has scheduled both
+    agents for 4 steps. It must reach the engine while the agents still decode; when the trace shows it did not
+    (CI, 2026-12-04 and 2026-12-07: the agents ended before the chat reached the engine, three runs in a row),
+    the run says nothing about the scheduler and is repeated with agents twice as long, printing the timeline."""
     for _ in range(3):
         before = len(trace_lines(trace))
-        agents = [Stream(url, 10, agent_tokens) for _ in range(2)]
+        agents = [Stream(url, 10, agent_tokens, name=f"agent{i}") for i in range(2)]
         for a in agents:
             a.start()
-        for a in agents:
-            a.wait_tokens(4)
-        chat = Stream(url, chat_priority, 8)
+        wait_engine(trace, before, requests=2, steps=4)
+        chat = Stream(url, chat_priority, 8, name="chat")
         chat.start()
         for t in (*agents, chat):
             t.join(timeout=600)
@@ -152,16 +200,17 @@ def run_contention(url: str, trace, chat_priority: int,
         steps = trace_lines(trace)[before:]
         if chat_met_agents(steps):
             return agents, chat, steps, agent_tokens
-        print(f"\nthe agents' {agent_tokens} tokens ran out before the chat request reached the engine; again")
+        print(f"\nthe agents' {agent_tokens} tokens ran out before the chat request reached the engine; again. "
+              f"{timeline(trace, before, [*agents, chat])}")
         agent_tokens = min(MAX_AGENT_TOKENS, 2 * agent_tokens)
     raise AssertionError(f"the chat request never reached the engine while the agents decoded ({agent_tokens} "
-                         "tokens each): make AGENT_SECONDS longer")
+                         "tokens each; see the printed timelines)")
 
 
 @pytest.fixture(scope="module")
 def preempting(tiny_model, tmp_path_factory):
     trace = tmp_path_factory.mktemp("sched") / "trace.jsonl"
-    with VllmServer(tiny_model, server_args(), env={"BONSAI_SCHED_TRACE": str(trace)}) as srv:
+    with VllmServer(tiny_model, server_args(), env=traces_env(trace)) as srv:
         yield srv, trace
 
 
@@ -169,7 +218,7 @@ def preempting(tiny_model, tmp_path_factory):
 def solo(preempting) -> Stream:
     """The agent request with nobody else around: the text to compare with, and the decode rate."""
     srv, _ = preempting
-    stream = Stream(srv.url, 10, SOLO_TOKENS)
+    stream = Stream(srv.url, 10, SOLO_TOKENS, name="solo")
     stream.run()
     assert stream.error is None and stream.tokens == SOLO_TOKENS, stream.error
     return stream
@@ -182,7 +231,8 @@ def test_chat_preempts_agents_and_agents_lose_nothing(preempting, solo):
     preemptions = sum(len(t["preempted"]) for t in steps)
     first_agent_done = min(a.end for a in agents)
     print(f"\nagents of {agent_tokens} tokens; chat TTFT {chat.ttft:.2f} s; first agent finished "
-          f"{first_agent_done - chat.start_time:.2f} s after the chat request; preemptions {preemptions}")
+          f"{first_agent_done - chat.start_time:.2f} s after the chat request; preemptions {preemptions}. "
+          f"{timeline(trace, len(trace_lines(trace)) - len(steps), [*agents, chat])}")
     assert preemptions == 1
     assert chat.first_token < first_agent_done, "the chat request waited for an agent to finish"
     for a in agents:
@@ -191,6 +241,9 @@ def test_chat_preempts_agents_and_agents_lose_nothing(preempting, solo):
         assert a.tokens == agent_tokens and a.usage.completion_tokens == agent_tokens
         assert a.text[:40] == solo.text[:40]
     assert chat.tokens == 8
+    # The API server's request clock (http_clock) saw the chat arrive, then began its answer.
+    clock = {e["event"]: e["time"] for e in read_events(http_trace(trace)) if e["name"] == "chat"}
+    assert set(clock) == {"arrived", "answered"} and clock["arrived"] <= clock["answered"], clock
 
 
 def test_equal_priority_does_not_preempt(preempting, solo):
@@ -219,15 +272,15 @@ def run_long_document(url: str, trace) -> list[dict]:
     far more tokens than it needs and is stopped once the document is done: a fixed length raced the machine's
     speed (60 and then 200 tokens ran out first on CI, 2026-11-29). Even 1800 tokens ran out twice (CI,
     2026-12-07, and a module run before): the document reached the engine only as the agent ended, ~48 s after
-    the client was to send it (whether the client or the API server held it is not known). Such a run says
-    nothing about the budget and is repeated, printing where the time went (the trace's step times are the
-    engine's clock)."""
+    the client was to send it. The document is now sent on the engine's record of the agent (wait_engine); a
+    run whose prompt was not prefilled beside the decoding agent says nothing about the budget and is repeated,
+    printing the timeline."""
     for _ in range(3):
         before = len(trace_lines(trace))
-        agent = Stream(url, 10, MAX_AGENT_TOKENS)
+        agent = Stream(url, 10, MAX_AGENT_TOKENS, name="agent")
         agent.start()
-        agent.wait_tokens(2)
-        doc = Stream(url, 5, 4, prompt=LONG_DOC)
+        wait_engine(trace, before, requests=1, steps=2)
+        doc = Stream(url, 5, 4, prompt=LONG_DOC, name="document")
         doc.start()
         doc.join(timeout=600)
         agent.stop.set()
@@ -237,15 +290,8 @@ def run_long_document(url: str, trace) -> list[dict]:
         steps = trace_lines(trace)[before:]
         if doc_met_agent(steps):
             return steps
-        # Seconds from the agent's request being sent: the client's clock is monotonic, the trace's time.time().
-        zero = agent.start_time + time.time() - time.monotonic()
-        engine = {rid: round(next(s["time"] for s in steps if rid in s["requests"]) - zero, 2)
-                  for rid in scheduled_spans(steps)}
-        print(f"\nthe long document was not prefilled while the agent decoded; again. Seconds after the agent "
-              f"was sent: the document sent at {doc.start_time - agent.start_time:.2f}, its first token "
-              f"{(doc.first_token or doc.end) - agent.start_time:.2f}; the agent ended at "
-              f"{agent.end - agent.start_time:.2f} ({agent.tokens} tokens); first engine step of each request "
-              f"{engine}")
+        print(f"\nthe long document was not prefilled while the agent decoded; again. "
+              f"{timeline(trace, before, [agent, doc])}")
     raise AssertionError("the long document was never prefilled while the agent decoded (see the printed times)")
 
 
@@ -264,7 +310,7 @@ def test_prefill_budget_holds(preempting):
 
 def test_switch_off_restores_stock_behaviour(tiny_model, tmp_path, solo):
     trace = tmp_path / "trace.jsonl"
-    env = {"BONSAI_SCHED_TRACE": str(trace), "BONSAI_PRIORITY_PREEMPT": "0"}
+    env = {**traces_env(trace), "BONSAI_PRIORITY_PREEMPT": "0"}
     with VllmServer(tiny_model, server_args(), env=env) as srv:
         _, _, steps, _ = run_contention(srv.url, trace, chat_priority=0, agent_tokens=agent_length(solo))
     assert not any(t["preempted"] for t in steps)
