@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the co
 
 from bonsai_vllm.testing.tiny import write_tiny  # noqa: E402
 from bonsai_vllm.testing.devserver import VllmServer  # noqa: E402
-from test_scheduler_served import Stream, run_contention, server_args  # noqa: E402
+from test_scheduler_served import (SOLO_TOKENS, Stream, agent_length, run_contention, server_args,  # noqa: E402
+                                   traces_env)
 
 LONG_PROMPT = " ".join(["The green fox sleeps under the white tree."] * 150)
 
@@ -41,24 +42,29 @@ def itl_during_prefill(url: str) -> tuple[float, float]:
     return statistics.median(gaps), max(gaps)
 
 
-def measure(model: Path, env: dict[str, str]) -> dict[str, float]:
-    with VllmServer(model, server_args(), env=env) as srv:
-        Stream(srv.url, 10, 8).run()  # warm-up
-        agents, chat = run_contention(srv.url, chat_priority=0)
+def measure(model: Path, env: dict[str, str], trace: Path) -> dict[str, float]:
+    with VllmServer(model, server_args(), env={**traces_env(trace), **env}) as srv:
+        solo = Stream(srv.url, 10, SOLO_TOKENS)  # warm-up, and the decode rate that sizes the agents
+        solo.run()
+        agents, chat, _, agent_tokens = run_contention(srv.url, trace, chat_priority=0,
+                                                       agent_tokens=agent_length(solo))
         med, worst = itl_during_prefill(srv.url)
         return {"ttft": chat.ttft, "agents_done": min(a.end for a in agents) - chat.start_time,
-                "agent_tokens": sum(a.tokens for a in agents), "itl_median": med, "itl_max": worst}
+                "agent_tokens": sum(a.tokens for a in agents), "asked": 2 * agent_tokens,
+                "itl_median": med, "itl_max": worst}
 
 
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny(Path(tmp) / "tiny", seed=0)
-        on = measure(model, {})
-        off = measure(model, {"BONSAI_PRIORITY_PREEMPT": "0", "BONSAI_PREFILL_BUDGET_DECODING": "0"})
+        on = measure(model, {}, Path(tmp) / "on.jsonl")
+        off = measure(model, {"BONSAI_PRIORITY_PREEMPT": "0", "BONSAI_PREFILL_BUDGET_DECODING": "0"},
+                      Path(tmp) / "off.jsonl")
     print("\n| measure | scheduler on | off (stock) | ratio |\n| --- | --- | --- | --- |")
     print(f"| chat TTFT behind 2 agent streams (s) | {on['ttft']:.3f} | {off['ttft']:.3f} | "
           f"{off['ttft'] / on['ttft']:.1f}× |")
-    print(f"| agent tokens delivered (of 2 × 160) | {on['agent_tokens']} | {off['agent_tokens']} | |")
+    print(f"| agent tokens delivered (of {on['asked']} / {off['asked']} asked) | {on['agent_tokens']} | "
+          f"{off['agent_tokens']} | |")
     print(f"| decode gap during a 1500-token prefill, median (s) | {on['itl_median']:.3f} | "
           f"{off['itl_median']:.3f} | |")
     print(f"| decode gap during a 1500-token prefill, max (s) | {on['itl_max']:.3f} | {off['itl_max']:.3f} | |")
