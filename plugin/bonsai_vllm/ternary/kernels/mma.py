@@ -180,7 +180,9 @@ _OTHER = {1: (4, 1, 2, 4, 1, 3, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1,
 # - down_proj at 33-40 rows runs its 41-48-row instance, three batch warps over six column tiles (1.18-1.19x over
 #   three stages on five, with the three K slices of _FIXED_SLICES; twenty-sixth).
 # Where they lost: the two-tile layout on qkv / o_proj at 25-32 rows (0.79-0.92x), with K warps on o_proj at 41-48
-# (0.98x) and on qkv there (0.87x, it spills); K slices other than the rule's on down_proj at 17-32 rows. Timed as
+# (0.98x) and on qkv there (0.87x, it spills); K slices other than the rule's on down_proj at 17-32 rows; the two-
+# tile warps with two batch warps at 12-24 rows on every layer (0.85-0.94x, twenty-ninth; on down_proj at 36-48 rows
+# every two-tile layout, 0.82-0.88x, while at 49-64 rows four batch warps won 1.04x but await gpu_check). Timed as
 # built: the sm_90 builds with K warps keep 24 bytes of stack at 33-40 rows (five tiles; qkv, gate_up) and 32 at
 # 41-48 (gate_up), and won with them.
 _WIDE = {**_OTHER, 3: (4, 1, 2, 4, 1, 0, 2), 4: (2, 2, 2, 4, 1, 0, 2, 2), 5: (2, 2, 2, 4, 1, 0, 2, 2),
