@@ -138,6 +138,11 @@ SETTINGS: tuple[Setting, ...] = (
             "a file the scheduler appends one JSON line per step to (wall-clock time, tokens, prefill tokens, "
             "decoding requests, preemptions); unset: no trace",
             "adapters/scheduler.py"),
+    Setting("BONSAI_HTTP_TRACE", "path", None,
+            "a file the API server's request clock appends one JSON line per HTTP request event to (arrived, "
+            "answered; served with --middleware bonsai_vllm.testing.http_clock.HttpClock, as the scheduler tests "
+            "do); unset: no clock",
+            "testing/http_clock.py"),
     # ---- the SSD embedding (embeddings.py, adapters/embedding.py; docs/ssd-embeddings.md)
     Setting("BONSAI_SSD_EMBED_DIR", "path", None,
             "the embedding export to serve cold rows from (embed_tokens.bin + .json, which bonsai-fetch writes "

@@ -13,8 +13,9 @@ Pure ASGI, no vLLM import: vLLM's `--middleware` takes the class and Starlette w
 from __future__ import annotations
 
 import json
-import os
 import time
+
+from bonsai_vllm import settings
 
 TRACE_ENV = "BONSAI_HTTP_TRACE"
 NAME_HEADER = "X-Test-Stream"
@@ -23,7 +24,7 @@ NAME_HEADER = "X-Test-Stream"
 class HttpClock:
     def __init__(self, app):
         self.app = app
-        path = os.environ.get(TRACE_ENV)
+        path = settings.get(TRACE_ENV)
         self.out = open(path, "a", buffering=1) if path else None  # line-buffered: readable while serving
 
     async def __call__(self, scope, receive, send):
