@@ -12,6 +12,14 @@ from gateway_harness import auth, raw_request, read_head, stream_events
 CHAT = "/v1/chat/completions"
 
 
+def stream_as(gateway, key: str, **stub: str):
+    """A raw streaming chat request as `key`, its socket open; `stub` sets the stub upstream's X-Stub-* headers
+    (Chunks="6", Delay="0.15", Tail="2", Framing="length")."""
+    body = b'{"model":"m","stream":true}'
+    headers = {**auth(key), "Content-Length": str(len(body)), **{f"X-Stub-{k}": v for k, v in stub.items()}}
+    return raw_request(gateway.port, "POST", CHAT, headers, body)
+
+
 def test_rpm_limit_is_429_with_retry_after(gateway, stub):
     # The "rpm" key allows 3 requests per minute; only this test uses it.
     for _ in range(3):
@@ -29,9 +37,7 @@ def test_rpm_limit_is_429_with_retry_after(gateway, stub):
 
 def test_concurrent_limit_counts_streams_in_flight(gateway, stub):
     # The "one" key may have one request in flight.
-    body = b'{"model":"m","stream":true}'
-    sock = raw_request(gateway.port, "POST", CHAT, {**auth("one"), "Content-Length": str(len(body)),
-                                                     "X-Stub-Chunks": "6", "X-Stub-Delay": "0.15"}, body)
+    sock = stream_as(gateway, "one", Chunks="6", Delay="0.15")
     status, head, rest = read_head(sock)
     assert status == 200
     done = threading.Event()
@@ -60,10 +66,7 @@ def test_concurrent_limit_counts_streams_in_flight(gateway, stub):
 def test_stream_gives_its_slot_back_at_done(gateway, stub):
     # A client that stops reading at [DONE] and sends its next request at once must not be refused, even
     # while the model server has not yet ended the response (here it waits 2 s after [DONE]).
-    body = b'{"model":"m","stream":true}'
-    sock = raw_request(gateway.port, "POST", CHAT, {**auth("one"), "Content-Length": str(len(body)),
-                                                     "X-Stub-Chunks": "2", "X-Stub-Delay": "0.05",
-                                                     "X-Stub-Tail": "2"}, body)
+    sock = stream_as(gateway, "one", Chunks="2", Delay="0.05", Tail="2")
     try:
         status, head, rest = read_head(sock)
         assert status == 200
@@ -80,10 +83,7 @@ def test_answer_with_length_holds_slot_until_its_last_byte(gateway, stub):
     # An answer with a Content-Length gives its slot back as its final byte passes the gateway (not
     # when nginx later flags the end, which comes after the client already has everything). Counted
     # bytes, so it must neither give the slot back at the first piece nor keep it after the last.
-    body = b'{"model":"m","stream":true}'
-    sock = raw_request(gateway.port, "POST", CHAT, {**auth("one"), "Content-Length": str(len(body)),
-                                                     "X-Stub-Chunks": "6", "X-Stub-Delay": "0.2",
-                                                     "X-Stub-Framing": "length"}, body)
+    sock = stream_as(gateway, "one", Chunks="6", Delay="0.2", Framing="length")
     try:
         status, head, rest = read_head(sock)
         assert status == 200 and "content-length" in head
@@ -104,9 +104,7 @@ def test_slot_given_back_after_rejected_body_and_aborted_stream(gateway, stub):
     for _ in range(3):
         resp = requests.post(gateway.url + CHAT, data=b"[1]", headers=auth("one"))
         assert resp.status_code == 400, resp.text
-    body = b'{"model":"m","stream":true}'
-    sock = raw_request(gateway.port, "POST", CHAT, {**auth("one"), "Content-Length": str(len(body)),
-                                                     "X-Stub-Chunks": "40", "X-Stub-Delay": "0.05"}, body)
+    sock = stream_as(gateway, "one", Chunks="40", Delay="0.05")
     status, head, rest = read_head(sock)
     assert status == 200
     list(stream_events(sock, rest, stop_after=1))
