@@ -145,16 +145,22 @@ def chat_met_agents(steps: list[dict]) -> bool:
 def wait_engine(trace, before: int, requests: int, steps: int, timeout: float = 120) -> None:
     """Wait until the scheduler's trace (from line `before`) shows `requests` requests each scheduled in at least
     `steps` steps: the engine's own word that they hold their slots. The client's token counts lagged the engine
-    by tens of seconds on CI (see timeline), so a request meant to meet them is sent on the engine's record."""
+    by tens of seconds on CI (see timeline), so a request meant to meet them is sent on the engine's record.
+    Reads only the lines after `before`, and only whole ones: the engine is writing the file meanwhile."""
+    with open(trace, "rb") as f:
+        offset = sum(len(line) for _, line in zip(range(before), f))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        with open(trace, "rb") as f:
+            f.seek(offset)
+            new = f.read()
         counts: dict[str, int] = {}
-        for s in trace_lines(trace)[before:]:
-            for rid in s["requests"]:
+        for line in new[:new.rfind(b"\n") + 1].splitlines():
+            for rid in json.loads(line)["requests"]:
                 counts[rid] = counts.get(rid, 0) + 1
         if sum(n >= steps for n in counts.values()) >= requests:
             return
-        time.sleep(0.02)
+        time.sleep(0.05)
     raise AssertionError(f"the engine did not schedule {requests} requests for {steps} steps in {timeout:.0f} s")
 
 
