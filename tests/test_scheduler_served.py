@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from bonsai_vllm.testing.devserver import VllmServer
-from bonsai_vllm.testing.http_clock import NAME_HEADER, TRACE_ENV, read_events
+from bonsai_vllm.testing.http_clock import NAME_HEADER, TRACE_ENV
 
 SCHEDULER = "bonsai_vllm.adapters.scheduler.AsyncPreemptScheduler"
 SOLO_TOKENS = 160  # the agent request alone: its text to compare with, and the machine's decode rate
@@ -45,9 +45,8 @@ def http_trace(trace):
 class Stream(threading.Thread):
     """One streaming completion in a thread: token count, first-token and end times."""
 
-    def __init__(self, url: str, priority: int, max_tokens: int, prompt: str = COUNTING, name: str = ""):
-        super().__init__(daemon=True)
-        self.name = name  # sent as X-Test-Stream: the API server's request clock records it
+    def __init__(self, url: str, priority: int, max_tokens: int, prompt: str = COUNTING, name: str | None = None):
+        super().__init__(daemon=True, name=name)  # the thread's name goes as X-Test-Stream to the request clock
         self.client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
         self.priority, self.max_tokens, self.prompt = priority, max_tokens, prompt
         self.start_time = self.first_token = self.end = None
@@ -164,14 +163,14 @@ def wait_engine(trace, before: int, requests: int, steps: int, timeout: float = 
     raise AssertionError(f"the engine did not schedule {requests} requests for {steps} steps in {timeout:.0f} s")
 
 
-def timeline(trace, before: int, streams: list[Stream]) -> str:
+def timeline(trace, steps: list[dict], streams: list[Stream]) -> str:
     """Where each stream's time went, in seconds after the first was sent: the client sent it, the API server
     got it and began its answer (http_clock), the client's first token and its end; and the engine's first step
     of each request in order of arrival. A late engine step after an early arrival is the server holding a
     request; a late arrival after an early send is the client; a late send is the test's own wait."""
     t0 = min(s.start_time for s in streams)
     zero = t0 + time.time() - time.monotonic()  # the client's clock is monotonic; the traces' is time.time()
-    events = {(e["name"], e["event"]): round(e["time"] - zero, 2) for e in read_events(http_trace(trace))
+    events = {(e["name"], e["event"]): round(e["time"] - zero, 2) for e in trace_lines(http_trace(trace))
               if e["time"] >= zero - 1}
     parts = []
     for s in streams:
@@ -179,7 +178,6 @@ def timeline(trace, before: int, streams: list[Stream]) -> str:
         parts.append(f"{s.name}: sent {s.start_time - t0:.2f}, arrived {events.get((s.name, 'arrived'))}, "
                      f"answered {events.get((s.name, 'answered'))}, first token {first}, "
                      f"end {s.end - t0:.2f} ({s.tokens} tokens)")
-    steps = trace_lines(trace)[before:]
     engine = [round(next(s["time"] for s in steps if rid in s["requests"]) - zero, 2) for rid in scheduled_spans(steps)]
     return "; ".join(parts) + f"; engine's first step of each request {engine}"
 
@@ -207,7 +205,7 @@ def run_contention(url: str, trace, chat_priority: int,
         if chat_met_agents(steps):
             return agents, chat, steps, agent_tokens
         print(f"\nthe agents' {agent_tokens} tokens ran out before the chat request reached the engine; again. "
-              f"{timeline(trace, before, [*agents, chat])}")
+              f"{timeline(trace, steps, [*agents, chat])}")
         agent_tokens = min(MAX_AGENT_TOKENS, 2 * agent_tokens)
     raise AssertionError(f"the chat request never reached the engine while the agents decoded ({agent_tokens} "
                          "tokens each; see the printed timelines)")
@@ -238,7 +236,7 @@ def test_chat_preempts_agents_and_agents_lose_nothing(preempting, solo):
     first_agent_done = min(a.end for a in agents)
     print(f"\nagents of {agent_tokens} tokens; chat TTFT {chat.ttft:.2f} s; first agent finished "
           f"{first_agent_done - chat.start_time:.2f} s after the chat request; preemptions {preemptions}. "
-          f"{timeline(trace, len(trace_lines(trace)) - len(steps), [*agents, chat])}")
+          f"{timeline(trace, steps, [*agents, chat])}")
     assert preemptions == 1
     assert chat.first_token < first_agent_done, "the chat request waited for an agent to finish"
     for a in agents:
@@ -248,7 +246,7 @@ def test_chat_preempts_agents_and_agents_lose_nothing(preempting, solo):
         assert a.text[:40] == solo.text[:40]
     assert chat.tokens == 8
     # The API server's request clock (http_clock) saw the chat arrive, then began its answer.
-    clock = {e["event"]: e["time"] for e in read_events(http_trace(trace)) if e["name"] == "chat"}
+    clock = {e["event"]: e["time"] for e in trace_lines(http_trace(trace)) if e["name"] == "chat"}
     assert set(clock) == {"arrived", "answered"} and clock["arrived"] <= clock["answered"], clock
 
 
@@ -297,7 +295,7 @@ def run_long_document(url: str, trace) -> list[dict]:
         if doc_met_agent(steps):
             return steps
         print(f"\nthe long document was not prefilled while the agent decoded; again. "
-              f"{timeline(trace, before, [agent, doc])}")
+              f"{timeline(trace, steps, [agent, doc])}")
     raise AssertionError("the long document was never prefilled while the agent decoded (see the printed times)")
 
 

@@ -43,11 +43,3 @@ class HttpClock:
     def _write(self, event: str, name: str, path: str) -> None:
         self.out.write(json.dumps({"time": time.time(), "event": event, "name": name, "path": path}) + "\n")
 
-
-def read_events(path) -> list[dict]:
-    """The events written so far (an absent file: none)."""
-    try:
-        text = open(path).read()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
