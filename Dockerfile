@@ -9,7 +9,7 @@
 #   docker build --secret id=pip_ca,src=/etc/ssl/certs/ca-certificates.crt .
 # Without the secret pip uses the image's own CA store.
 #
-# One stage: the virtual environment (~7 GB, vLLM's CUDA wheels) is nearly all of the image, so a build
+# One stage: the virtual environment (~8.5 GB, vLLM's CUDA wheels) is nearly all of the image, so a build
 # stage would save nothing and copying it between stages doubled the build's disk and time.
 ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
 FROM ${BASE_IMAGE}
@@ -24,6 +24,14 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
+# PyTorch and its CUDA 13 libraries first, in a layer of their own (5.2 GB of the venv's 8.5), at the version
+# vLLM 0.32.0 pins (its Requires-Dist: torch==2.13.0; tests/images checks the two agree). Why two steps: a
+# build commits a RUN step's files by writing them about three more times (the diff, its blob, the new layer),
+# so one 8.5 GB step took 34 GB of free disk at its peak and a CI run ran out; as two steps the peak was 25 GB
+# (podman 4.3, measured 2026-12-07; docs/dev-notes.md).
+RUN --mount=type=secret,id=pip_ca \
+    if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+ && pip install torch==2.13.0
 # vLLM's CUDA build; xxhash because --prefix-caching-hash-algo xxhash fails at start-up without it.
 # FlashInfer: vLLM 0.32 pins flashinfer-python 0.7.0.post1, which has no prebuilt-kernel package on PyPI
 # (flashinfer-cubin stops at 0.6.13) and would JIT-compile at the first request; vLLM uses its PyTorch

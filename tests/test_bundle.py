@@ -118,7 +118,7 @@ def test_compile_caches_are_volumes():
 
 def test_build_contexts_leave_out_the_venv_and_secrets():
     ignore = (REPO / ".dockerignore").read_text().split()
-    for entry in (".venv", ".env", "models", "proxy/keys"):
+    for entry in (".venv", ".webui-venv", ".env", "models", "proxy/keys"):
         assert entry in ignore, entry
     assert "keys" in (REPO / "proxy" / ".dockerignore").read_text().split()
 

