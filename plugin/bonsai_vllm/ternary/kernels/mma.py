@@ -182,7 +182,8 @@ _OTHER = {1: (4, 1, 2, 4, 1, 3, 4), 2: (4, 1, 2, 4, 1, 0, 2), 3: (4, 1, 2, 4, 1,
 # Where they lost: the two-tile layout on qkv / o_proj at 25-32 rows (0.79-0.92x), with K warps on o_proj at 41-48
 # (0.98x) and on qkv there (0.87x, it spills); K slices other than the rule's on down_proj at 17-32 rows; the two-
 # tile warps with two batch warps at 12-24 rows on every layer (0.85-0.94x, twenty-ninth; on down_proj at 36-48 rows
-# every two-tile layout, 0.82-0.88x, while at 49-64 rows four batch warps won 1.04x but await gpu_check). Timed as
+# every two-tile layout, 0.82-0.88x). down_proj at 49-64 rows runs two-tile warps with four batch warps (three K
+# slices): 1.04x over four one-tile warps served, on an H100 (twenty-ninth) and an H200 (thirty-first). Timed as
 # built: the sm_90 builds with K warps keep 24 bytes of stack at 33-40 rows (five tiles; qkv, gate_up) and 32 at
 # 41-48 (gate_up), and won with them.
 _WIDE = {**_OTHER, 3: (4, 1, 2, 4, 1, 0, 2), 4: (2, 2, 2, 4, 1, 0, 2, 2), 5: (2, 2, 2, 4, 1, 0, 2, 2),
@@ -192,7 +193,7 @@ _QKV = {**_OTHER, 5: (2, 2, 3, 4, 1, 0, 2, 2), 6: (4, 1, 2, 4, 2, 0, 2), 7: (2, 
 _SHALLOW = {**_OTHER, 5: (2, 2, 3, 4, 1, 0, 2, 2), 6: (2, 2, 2, 4, 2, 0, 2), 7: (2, 2, 2, 4, 2, 0, 2),
             8: (2, 2, 2, 4, 2, 0, 2)}  # o_proj, GDN-out
 _DEEP = {**_OTHER, 2: (4, 1, 2, 4, 1, 8, 6), 3: (2, 1, 2, 4, 1, 8, 12), 4: (4, 1, 2, 4, 2, 8, 6),
-         5: (4, 1, 2, 4, 3, 8, 6), 6: (4, 1, 2, 4, 3, 8, 6), 7: (4, 1, 2, 4, 4, 8, 6), 8: (4, 1, 2, 4, 4, 8, 6)}
+         5: (4, 1, 2, 4, 3, 8, 6), 6: (4, 1, 2, 4, 3, 8, 6), 7: (2, 2, 2, 4, 4, 8, 6), 8: (2, 2, 2, 4, 4, 8, 6)}
 # The RTX 50's tables, from sweeps on the H200 with each launch's shared memory padded so that an SM holds as
 # many CTAs of the instance as an sm_120 SM would (`bench-mma --rtx-occupancy`), on 48 SMs (`--sms 48`, a green
 # context: the RTX 5070's count); per class and column tiles the fastest configuration whose sm_120 build does
