@@ -24,6 +24,33 @@ from bonsai_vllm.ternary.kernels.stream_gemv import StreamConfig
 SHAPES = {name: (k, n) for name, k, n in bk.SHAPES}
 
 
+def resolve(case: str, gpu: mma.Gpu) -> tuple[str, int, str, object]:
+    """(layer, rows, kernel, configuration) of one `layer:rows[:config]` case; SystemExit naming the case where
+    the layer is unknown or the kernel has no configuration there, so a profile never stops halfway."""
+    name, m, *config = case.split(":")
+    if name not in SHAPES:
+        raise SystemExit(f"ncu_layers: case {case!r}: unknown layer {name!r} (layers: {', '.join(SHAPES)})")
+    m = int(m)
+    k, n = SHAPES[name]
+    if config and config[0] == "stream":  # layer:rows:stream[:words,rows,prefetch,ctas_per_sm]
+        if len(config) > 1:
+            c, r, pf, ctas = (int(v) for v in config[1].split(","))
+            kind, cfg = "stream", StreamConfig(c, r, bool(pf), ctas)
+        else:
+            kind, cfg = "stream", stream_gemv.default_config(n, k, m)
+    elif m == 1:
+        kind, cfg = "dp4a", dp4a.default_config(n, k)
+    elif config:  # the residual field comes as 0 / 1
+        warps, rtiles, split, residual, *rest = (int(v) for v in config[0].split(","))
+        kind, cfg = "mma", MmaConfig(warps, rtiles, split, bool(residual), *rest)
+    else:
+        kind, cfg = "mma", mma.default_config(m, n, k, gpu)
+    if cfg is None:
+        raise SystemExit(f"ncu_layers: case {case!r}: the {kind} kernel has no default configuration for {name} at "
+                         f"{m} rows (the served route takes another kernel there); give one in the case")
+    return name, m, kind, cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", required=True, help="layer:rows[:config] separated by spaces or ';' (layers: "
@@ -31,32 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args(argv)
     dev = "cuda"
-    for case in args.cases.replace(";", " ").split():
-        name, m, *config = case.split(":")
-        m = int(m)
+    gpu = mma.Gpu.of(dev)
+    cases = [resolve(case, gpu) for case in args.cases.replace(";", " ").split()]  # all before the first launch
+    for name, m, kind, cfg in cases:
         k, n = SHAPES[name]
         packed, scales, _ = bk.random_layer(n, k, dev, seed=7)
         x = bk.randn(m, k, device=dev, seed=11 + m)
         act = dp4a.prepare(x)
         ws = dp4a.Dp4aWorkspace(dev)
-        if config and config[0] == "stream":  # layer:rows:stream[:words,rows,prefetch,ctas_per_sm]
-            if len(config) > 1:
-                c, r, pf, ctas = (int(v) for v in config[1].split(","))
-                cfg = StreamConfig(c, r, bool(pf), ctas)
-            else:
-                cfg = stream_gemv.default_config(n, k, m)
+        if kind == "stream":
             run = lambda: stream_gemv.gemv(act, packed, scales, cfg, early=False)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=True)
-        elif m == 1:
-            cfg = dp4a.default_config(n, k)
+        elif kind == "dp4a":
             run = lambda: dp4a.gemv(act, packed, scales, cfg, ws)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=True)
         else:
-            if config:  # the residual field comes as 0 / 1
-                warps, rtiles, split, residual, *rest = (int(v) for v in config[0].split(","))
-                cfg = MmaConfig(warps, rtiles, split, bool(residual), *rest)
-            else:
-                cfg = mma.default_config(m, n, k, mma.Gpu.of("cuda"))
             run = lambda: mma.gemm(act, packed, scales, cfg, ws)  # noqa: E731
             exact = mma.gemm_reference(act, packed, scales, residual=cfg.residual)
         err = bk.rel(run(), exact)
