@@ -17,9 +17,11 @@ call into a scratch buffer (`expand_int8`: reads 2.125 bits, writes 8 bits per w
   round trip through memory).
 
 Without W8 a third way skips the per-call expansion (issue 19): `codes_gemm` (backend "codes"; linear.py
-takes it up to CODES_MAX_M rows while BONSAI_CODES_GEMM is on, the default) is `int8_gemm` with B
+takes it up to CODES_MAX_M rows while BONSAI_CODES_GEMM is on, the default) is `int8_gemm` with W8
 made in the K loop from the packed codes and q, the same W8 values expand_int8 writes, hence the same int32
-sums and the same fused rescale; split-K adds its slices' int32 sums with atomics, then `rescale`.
+sums and the same fused rescale; split-K adds its slices' int32 sums with atomics, then `rescale`. It computes
+y^T = W8 · xq^T, so that the W8 it decodes in registers is the product's first operand: on sm_90 wgmma takes
+that one from registers, the second only from shared memory.
 """
 
 from __future__ import annotations
@@ -135,11 +137,15 @@ if triton is not None:
     def _codes_gemm_kernel(a_ptr, w_ptr, q_ptr, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, K, stride_a, stride_w,
                            stride_q, stride_c, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, Q32: tl.constexpr, SPLIT: tl.constexpr):
-        # _int8_gemm_kernel with B made in registers: per K step the words [BN, BK/16] and the int8 group
+        # _int8_gemm_kernel with W8 made in registers: per K step the words [BN, BK/16] and the int8 group
         # scale q of that step's scale group (BK divides 128, so a step never straddles two groups) give the
-        # W8 tile (_word_weights), which goes to the int8 dot as it would have come from memory. A program
-        # decodes its [BN, K] codes once, for all BM rows of its tile: the decode (~3 integer instructions per
-        # weight on sm_90) per product term falls as 1/BM, which is why this wants a prefill chunk's big tiles.
+        # W8 tile (_word_weights), the dot's first operand: y^T's tile [BN, BM] = W8 · a^T. As the second
+        # operand (y = a · W8^T, until 2026-12-07) wgmma on sm_90 wanted it in shared memory, stored and fenced
+        # every step; as the first it stays in registers: 1.03-1.14x faster on an H100 at the served 128-512
+        # rows (0.99-1.04x at 2048), each order at its best tile (docs/benchmarks.md). sm_120's mma.sync takes
+        # both operands from registers. A program decodes its [BN, K] codes once, for all BM rows of its tile:
+        # the decode (~3 integer instructions per weight on sm_90) per product term falls as 1/BM, which is why
+        # this wants a prefill chunk's big tiles.
         # SPLIT > 1 (split-K, for grids that would leave SMs idle: the 5120-output layers give 40-80 tiles at
         # 128-256 rows on 132 SMs): program (tile, s) sums K slice s, whole scale groups, and adds its int32
         # tile into c_ptr (int32 [M, N], zeroed by the caller) with atomics; integer sums, so the result does
@@ -158,7 +164,7 @@ if triton is not None:
         # layout. Q32: q read as int32 words of four groups' scales (stride_q in words), since a load narrower
         # than 4 bytes is not software-pipelined (cp.async copies 4, 8 or 16) and would stall every step.
         q_ptrs = tl.broadcast_to(q_ptr + rn[:, None] * stride_q, (BN, WPT))
-        acc = tl.zeros([BM, BN], dtype=tl.int32)
+        acc = tl.zeros([BN, BM], dtype=tl.int32)  # y^T: W8 is the product's first operand
         for kk in range(k0, k1, BK):
             a = tl.load(a_ptrs)  # [BM, BK] int8
             p = tl.load(w_ptrs)  # [BN, WPT] int32
@@ -168,9 +174,10 @@ if triton is not None:
             else:
                 q = tl.load(q_ptrs + g).to(tl.int32)  # [BN, WPT]
             w8 = tl.reshape(_word_weights(p, q), (BN, BK))
-            acc = tl.dot(a, tl.trans(w8), acc, out_dtype=tl.int32)
+            acc = tl.dot(w8, tl.trans(a), acc, out_dtype=tl.int32)  # [BN, BM]
             a_ptrs += BK
             w_ptrs += WPT
+        acc = tl.trans(acc)  # [BM, BN]
         if SPLIT == 1:
             _rescale_store(acc, rm, rn, pid_m, pid_n, ts_ptr, rs_ptr, bias_ptr, c_ptr, M, N, stride_c, BM, BN,
                            HAS_BIAS)
@@ -231,26 +238,26 @@ def default_config(m: int, n: int, k: int) -> Int8GemmConfig:
 
 
 def codes_default_config(m: int, n: int, k: int) -> Int8GemmConfig:
-    """The tile of `codes_gemm` for a batch of m rows. From the H200 sweep of make bench-prefill (2026-12-03,
-    13 tiles at 128-1024 rows on the six per-rank layers, docs/benchmarks.md): within 2 % of each case's
-    fastest at 128-256 rows (the scheduler's chunks while others decode) and within 8 % at 512 (its chunk when
-    idle). A 128-row tile decodes its weights once for twice the rows of a 64-row one. At up to 256 rows a
-    narrow 64-output tile with a deep K step (BK 128) gives the 5120-output layers enough programs; down_proj
-    (K 8704) at 128 rows has only 80 of them on 132 SMs and takes two K slices (1.19× faster). From 257 rows the
-    wide layers take 128 × 128 tiles of 8 warps (at 384 rows 1.07-1.16× faster than the narrow tile, measured
-    in a second run), the 5120-output layers from 385. Every tile fits sm_120 (99 KiB of shared memory, no spills:
-    make compile-check). M <= 64 never comes here when served (the mma kernel and the GEMVs take those rows):
+    """The tile of `codes_gemm` for a batch of m rows. From the H100 runs of 2026-12-07 (W8 as the first operand,
+    docs/benchmarks.md), each tile's best within 2 % at 128-512 rows: one warpgroup whose W8 operand is 64 output
+    rows (the 128-output, 8-warp tiles of the operand order before ran 1.4x slower this way). 128 batch rows with a
+    deep K step (BK 128) up to 256 rows, to 384 on the 5120-output layers and to 512 on gate_up; BK 64 on the
+    5120-output layers at 385-512; 256 batch rows on qkv / GDN-in from 257 rows (1.12-1.21x the 128-row tile: three
+    row tiles of 128 there leave a third wave). down_proj (K 8704) at up to 160 rows has only 80 tiles for 132
+    SMs and takes two K slices (1.19x on the H200, 2026-12-03). A 128-row tile decodes its weights once for
+    twice the rows of a 64-row one. Every tile fits sm_120 (99 KiB of shared memory, no spills: make
+    compile-check). M <= 64 never comes here when served (the mma kernel and the GEMVs take those rows):
     those tiles are the earlier one-code-per-thread benchmark's best (benchmarks/codes_gemm.py, 2026-12-01)."""
     if m <= 16:
         return Int8GemmConfig(bm=16, bn=32, bk=128, group_m=1, warps=4, stages=4, backend="codes")
     if m <= 64:
         return Int8GemmConfig(bm=64, bn=32, bk=128, group_m=1, warps=4, stages=3, backend="codes")
-    if m <= 256 or (m <= 384 and n <= 6144):
+    if m <= 256 or (m <= 384 and n <= 6144) or (m <= 512 and n > 16384):
         return Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, backend="codes",
                               split=2 if m <= 160 and k > 8192 else 1)
     if m <= 512 and n <= 6144:
         return Int8GemmConfig(bm=128, bn=64, bk=64, group_m=8, warps=4, stages=4, backend="codes")
-    return Int8GemmConfig(bm=128, bn=128, bk=128, group_m=8, warps=8, stages=3, backend="codes")
+    return Int8GemmConfig(bm=256, bn=64, bk=64, group_m=8, warps=4, stages=3, backend="codes")
 
 
 def int8_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
