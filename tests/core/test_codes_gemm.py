@@ -142,7 +142,7 @@ def test_codes_default_config():
             c = int8mm.codes_default_config(m, n, k)
             assert c.backend == "codes" and 128 % c.bk == 0 and c.bk >= 32 and k % c.bk == 0
     # served prefill chunks (65-512 rows): one warpgroup whose W8 operand is 64 output rows, the 256-row tile on
-    # qkv / GDN-in from 257 rows (2026-12-07, H100: 1.12-1.21x the 128-row one there), split-K on down_proj at 128
+    # qkv / GDN-in from 257 rows (2026-12-07, H100: 1.17-1.21x the 128-row one there), split-K on down_proj at 128
     for m in (65, 128, 256, 257, 384, 512):
         for n, k in ((17408, 5120), (5120, 8704), (7168, 5120), (8192, 5120), (5120, 3072)):
             c = int8mm.codes_default_config(m, n, k)
