@@ -243,9 +243,9 @@ def codes_default_config(m: int, n: int, k: int) -> Int8GemmConfig:
     operand is 64 output rows (the 128-output, 8-warp tiles of the operand order before ran 1.4x slower this way).
     128 batch rows with a deep K step (BK 128) up to 256 rows, to 384 on the 5120-output layers and to 512 on
     gate_up; BK 64 on the 5120-output layers at 385-512; 256 batch rows on qkv / GDN-in from 257 rows (1.17-1.21x
-    the 128-row tile: three row tiles of 128 there leave a third wave). down_proj (K 8704) at up to 160 rows has only 80 tiles for 132
-    SMs and takes two K slices (1.19x on the H200, 2026-12-03). A 128-row tile decodes its weights once for
-    twice the rows of a 64-row one. Every tile fits sm_120 (99 KiB of shared memory, no spills: make
+    the 128-row tile: three row tiles of 128 there leave a third wave). down_proj (K 8704) at up to 160 rows has
+    only 80 tiles for 132 SMs and takes two K slices (1.19x on the H200, 2026-12-03). A 128-row tile decodes its
+    weights once for twice the rows of a 64-row one. Every tile fits sm_120 (99 KiB of shared memory, no spills: make
     compile-check). M <= 64 never comes here when served (the mma kernel and the GEMVs take those rows):
     those tiles are the earlier one-code-per-thread benchmark's best (benchmarks/codes_gemm.py, 2026-12-01)."""
     if m <= 16:
