@@ -51,10 +51,17 @@ SHAPES = bk.SHAPES
 # best at 128 rows, 128 × 128 with BK 64 (4 warps) or 128 (8 warps) from 512, and everything with 256-wide tiles
 # 1.5-1.8× the best: those were dropped. Since W8 became the dot's first operand (2026-12-07, H100) the 64-output
 # tiles of one warpgroup win, and a 256-row one on qkv / GDN-in from 257 rows (the 128-output, 8-warp tiles ran
-# 1.4× their best). Split-K (`split`) for the layers whose grid leaves SMs idle (5120 outputs: 40-80 tiles at
-# 128-256 rows on 132 SMs). Every one compiles for sm_90 and sm_120 with Triton 3.7 without spilling.
-SWEEP = [Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, backend="codes"),
+# 1.4× their best); on 3 pipeline stages rather than 4 the 128 × 64 × 128 tile ran 1.12-1.19× faster at 256-512
+# rows (second H100 run of that day), 2 stages and two warpgroups on it were slower. Split-K (`split`) for the
+# layers whose grid leaves SMs idle (5120 outputs: 40-80 tiles at 128-256 rows on 132 SMs). Every one compiles for
+# sm_90 and sm_120 with Triton 3.7 without spilling.
+SWEEP = [Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=3, backend="codes"),
+         Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=2, backend="codes"),
+         Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=3, backend="codes", split=2),
+         Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, backend="codes"),
          Int8GemmConfig(bm=256, bn=64, bk=64, group_m=8, warps=4, stages=3, backend="codes"),
+         Int8GemmConfig(bm=256, bn=64, bk=64, group_m=8, warps=4, stages=4, backend="codes"),
+         Int8GemmConfig(bm=64, bn=64, bk=128, group_m=8, warps=4, stages=3, backend="codes"),
          Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, backend="codes", split=2),
          Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, backend="codes", split=4),
          Int8GemmConfig(bm=128, bn=64, bk=64, group_m=8, warps=4, stages=4, backend="codes"),
@@ -66,7 +73,13 @@ SWEEP = [Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, bac
          Int8GemmConfig(bm=128, bn=128, bk=128, group_m=8, warps=8, stages=3, backend="codes"),
          Int8GemmConfig(bm=128, bn=128, bk=128, group_m=8, warps=8, stages=3, backend="codes", split=2),
          Int8GemmConfig(bm=128, bn=128, bk=64, group_m=8, warps=8, stages=3, backend="codes"),
-         Int8GemmConfig(bm=64, bn=128, bk=128, group_m=8, warps=4, stages=4, backend="codes")]
+         Int8GemmConfig(bm=64, bn=128, bk=128, group_m=8, warps=4, stages=4, backend="codes"),
+         # two warpgroups on one 64-output W8 tile, each taking half the batch rows: the decode split over 256
+         # threads (2026-12-07: sm_90 loop 197 SASS per thread per K step at 128 x 64 x 128, against 304 on 4 warps)
+         Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=8, stages=4, backend="codes"),
+         Int8GemmConfig(bm=128, bn=64, bk=64, group_m=8, warps=8, stages=4, backend="codes"),
+         Int8GemmConfig(bm=256, bn=64, bk=64, group_m=8, warps=8, stages=3, backend="codes"),
+         Int8GemmConfig(bm=256, bn=64, bk=128, group_m=8, warps=8, stages=3, backend="codes")]
 TARGET = 1.3  # codes / W8-kept
 EXACT_TOL = 4e-3  # bf16 output against the float64 W8 route: its rounding (~2e-3 relative)
 SAME_TOL = 1e-3  # against int8_gemm: the same float32 values, rounded to bf16 alike but for rare ties

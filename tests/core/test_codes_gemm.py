@@ -141,13 +141,14 @@ def test_codes_default_config():
         for n, k in ((17408, 5120), (5120, 8704), (5120, 3072)):
             c = int8mm.codes_default_config(m, n, k)
             assert c.backend == "codes" and 128 % c.bk == 0 and c.bk >= 32 and k % c.bk == 0
-    # served prefill chunks (65-512 rows): one warpgroup whose W8 operand is 64 output rows, the 256-row tile on
-    # qkv / GDN-in from 257 rows (2026-12-07, H100: 1.17-1.21x the 128-row one there), split-K on down_proj at 128
-    for m in (65, 128, 256, 257, 384, 512):
+    # served prefill chunks (65-512 rows): one warpgroup whose W8 operand is 64 output rows on 3 stages, the
+    # 256-row tile on qkv / GDN-in from 385 rows (2026-12-07, H100: the 128-row tile on 3 stages was the faster up to
+    # 384), split-K on down_proj at 128
+    for m in (65, 128, 256, 257, 384, 385, 512):
         for n, k in ((17408, 5120), (5120, 8704), (7168, 5120), (8192, 5120), (5120, 3072)):
             c = int8mm.codes_default_config(m, n, k)
-            assert (c.bn, c.warps) == (64, 4), (m, n, c)
-            assert c.bm == (256 if m > 256 and 6144 < n <= 16384 else 128), (m, n, c)
+            assert (c.bn, c.warps, c.stages) == (64, 4, 3), (m, n, c)
+            assert c.bm == (256 if m > 384 and 6144 < n <= 16384 else 128), (m, n, c)
     assert int8mm.codes_default_config(128, 5120, 8704).split == 2
     assert int8mm.codes_default_config(512, 17408, 5120).bk == 128
 

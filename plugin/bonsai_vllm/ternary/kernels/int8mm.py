@@ -20,8 +20,8 @@ Without W8 a third way skips the per-call expansion (issue 19): `codes_gemm` (ba
 takes it up to CODES_MAX_M rows while BONSAI_CODES_GEMM is on, the default) is `int8_gemm` with W8
 made in the K loop from the packed codes and q, the same W8 values expand_int8 writes, hence the same int32
 sums and the same fused rescale; split-K adds its slices' int32 sums with atomics, then `rescale`. It computes
-y^T = W8 · xq^T, so that the W8 it decodes in registers is the product's first operand: on sm_90 wgmma takes
-that one from registers, the second only from shared memory.
+y^T = W8 · xq^T: the W8 it decodes is the product's first operand, the one wgmma on sm_90 reads from registers
+(Triton 3.7 still stages the decoded tile through shared memory, one store and an ldmatrix per K step).
 """
 
 from __future__ import annotations
@@ -140,10 +140,14 @@ if triton is not None:
         # _int8_gemm_kernel with W8 made in registers: per K step the words [BN, BK/16] and the int8 group
         # scale q of that step's scale group (BK divides 128, so a step never straddles two groups) give the
         # W8 tile (_word_weights), the dot's first operand: y^T's tile [BN, BM] = W8 · a^T. As the second
-        # operand (y = a · W8^T, until 2026-12-07) wgmma on sm_90 wanted it in shared memory, stored and fenced
-        # every step; as the first it stays in registers: 1.03-1.14x faster on an H100 at the served 128-512
-        # rows (0.99-1.04x at 2048), each order at its best tile (docs/benchmarks.md). sm_120's mma.sync takes
-        # both operands from registers. A program decodes its [BN, K] codes once, for all BM rows of its tile:
+        # operand (y = a · W8^T, until 2026-12-07) wgmma on sm_90 read it through a shared-memory descriptor;
+        # as the first, wgmma takes it in registers: 1.03-1.14x faster on an H100 at the served 128-512 rows
+        # (0.99-1.04x at 2048), each order at its best tile (docs/benchmarks.md). Triton 3.7's TTGIR still goes
+        # through shared memory on the way (local_alloc, then local_load into the dot operand layout: four
+        # STS.128, a barrier and four LDSM per thread and K step at 128 x 64 x 128), and waits for each step's
+        # wgmma before the next decode; decoding one step ahead so that the decode runs beside the wgmma
+        # (words loaded two steps ahead) measured 0.89-1.04x, not kept. sm_120's mma.sync takes both operands
+        # from registers. A program decodes its [BN, K] codes once, for all BM rows of its tile:
         # the decode (~3 integer instructions per weight on sm_90) per product term falls as 1/BM, which is why
         # this wants a prefill chunk's big tiles.
         # SPLIT > 1 (split-K, for grids that would leave SMs idle: the 5120-output layers give 40-80 tiles at
@@ -238,26 +242,24 @@ def default_config(m: int, n: int, k: int) -> Int8GemmConfig:
 
 
 def codes_default_config(m: int, n: int, k: int) -> Int8GemmConfig:
-    """The tile of `codes_gemm` for a batch of m rows. From the H100 runs of 2026-12-07 (W8 as the first operand,
-    docs/benchmarks.md), within 2 % of the best tile timed at 256-512 rows and 5 % at 128: one warpgroup whose W8
-    operand is 64 output rows (the 128-output, 8-warp tiles of the operand order before ran 1.4x slower this way).
-    128 batch rows with a deep K step (BK 128) up to 256 rows, to 384 on the 5120-output layers and to 512 on
-    gate_up; BK 64 on the 5120-output layers at 385-512; 256 batch rows on qkv / GDN-in from 257 rows (1.17-1.21x
-    the 128-row tile: three row tiles of 128 there leave a third wave). down_proj (K 8704) at up to 160 rows has
-    only 80 tiles for 132 SMs and takes two K slices (1.19x on the H200, 2026-12-03). A 128-row tile decodes its
-    weights once for twice the rows of a 64-row one. Every tile fits sm_120 (99 KiB of shared memory, no spills: make
-    compile-check). M <= 64 never comes here when served (the mma kernel and the GEMVs take those rows):
-    those tiles are the earlier one-code-per-thread benchmark's best (benchmarks/codes_gemm.py, 2026-12-01)."""
+    """The tile of `codes_gemm` for a batch of m rows. From the H100 runs of 2026-12-07 (docs/benchmarks.md): one
+    warpgroup whose W8 operand is 64 output rows (the 128-output, 8-warp tiles ran 1.4x slower; two warpgroups on
+    64 outputs 1.14x), 128 batch rows with a deep K step (BK 128) on 3 pipeline stages: 1.12-1.19x the same tile on
+    4 stages at 256-512 rows on every layer (gate_up at 256 rows 87 µs against 104), and faster than the 256-row
+    tile up to 384 rows. qkv / GDN-in (6144 < N <= 16384) take 256 batch rows from 385 (four row tiles of 128 leave
+    a second wave there: 63 µs against 77 at 512). down_proj (K 8704) at up to 160 rows has only 80 tiles for 132
+    SMs and takes two K slices (1.19x on the H200, 2026-12-03). A 128-row tile decodes its weights once for twice
+    the rows of a 64-row one. Every tile fits sm_120 (99 KiB of shared memory, no spills: make compile-check).
+    M <= 64 never comes here when served (the mma kernel and the GEMVs take those rows): those tiles are the earlier
+    one-code-per-thread benchmark's best (benchmarks/codes_gemm.py, 2026-12-01)."""
     if m <= 16:
         return Int8GemmConfig(bm=16, bn=32, bk=128, group_m=1, warps=4, stages=4, backend="codes")
     if m <= 64:
         return Int8GemmConfig(bm=64, bn=32, bk=128, group_m=1, warps=4, stages=3, backend="codes")
-    if m <= 256 or (m <= 384 and n <= 6144) or (m <= 512 and n > 16384):
-        return Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=4, backend="codes",
-                              split=2 if m <= 160 and k > 8192 else 1)
-    if m <= 512 and n <= 6144:
-        return Int8GemmConfig(bm=128, bn=64, bk=64, group_m=8, warps=4, stages=4, backend="codes")
-    return Int8GemmConfig(bm=256, bn=64, bk=64, group_m=8, warps=4, stages=3, backend="codes")
+    if m > 384 and 6144 < n <= 16384:
+        return Int8GemmConfig(bm=256, bn=64, bk=64, group_m=8, warps=4, stages=3, backend="codes")
+    return Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=3, backend="codes",
+                          split=2 if m <= 160 and k > 8192 else 1)
 
 
 def int8_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
