@@ -47,14 +47,14 @@ from bonsai_vllm.ternary.reference import dequantize, int8_decompose
 
 MS = [128, 256, 512, 1024, 2048]
 SHAPES = bk.SHAPES
-# The sweep (bf16 out). The first H200 run (2026-12-03, 128-2048 rows) ranked 128 × 64 × 128 (4 warps, 4 stages)
-# best at 128 rows, 128 × 128 with BK 64 (4 warps) or 128 (8 warps) from 512, and everything with 256-wide tiles
-# 1.5-1.8× the best: those were dropped. Since W8 became the dot's first operand (2026-12-07, H100) the 64-output
-# tiles of one warpgroup win, and a 256-row one on qkv / GDN-in from 257 rows (the 128-output, 8-warp tiles ran
-# 1.4× their best); on 3 pipeline stages rather than 4 the 128 × 64 × 128 tile ran 1.12-1.19× faster at 256-512
-# rows (second H100 run of that day), 2 stages and two warpgroups on it were slower. Split-K (`split`) for the
-# layers whose grid leaves SMs idle (5120 outputs: 40-80 tiles at 128-256 rows on 132 SMs). Every one compiles for
-# sm_90 and sm_120 with Triton 3.7 without spilling.
+# The sweep (bf16 out). The first H200 run (2026-12-03, 128-2048 rows) ranked 128 × 64 × 128 (4 warps, 4 stages) best
+# at 128 rows, 128 × 128 with BK 64 (4 warps) or 128 (8 warps) from 512, and everything with 256-wide tiles 1.5-1.8×
+# the best: those were dropped. Since W8 became the dot's first operand (2026-12-07, H100) the 64-output tiles of one
+# warpgroup win (the 128-output, 8-warp tiles ran 1.4× their best), and a 256-row one on qkv / GDN-in from 385 rows;
+# on 3 pipeline stages rather than 4 the 128 × 64 × 128 tile ran 1.14-1.26× faster on gate_up and about 1.4× where
+# three or four row tiles crowd the grid (later H100 runs of that day); 2 stages and two warpgroups on it were slower.
+# Split-K (`split`) for the layers whose grid leaves SMs idle (5120 outputs: 40-80 tiles at 128-256 rows on 132 SMs).
+# Every one compiles for sm_90 and sm_120 with Triton 3.7 without spilling.
 SWEEP = [Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=3, backend="codes"),
          Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=2, backend="codes"),
          Int8GemmConfig(bm=128, bn=64, bk=128, group_m=8, warps=4, stages=3, backend="codes", split=2),

@@ -243,15 +243,16 @@ def default_config(m: int, n: int, k: int) -> Int8GemmConfig:
 
 def codes_default_config(m: int, n: int, k: int) -> Int8GemmConfig:
     """The tile of `codes_gemm` for a batch of m rows. From the H100 runs of 2026-12-07 (docs/benchmarks.md): one
-    warpgroup whose W8 operand is 64 output rows (the 128-output, 8-warp tiles ran 1.4x slower; two warpgroups on
-    64 outputs 1.14x), 128 batch rows with a deep K step (BK 128) on 3 pipeline stages: 1.12-1.19x the same tile on
-    4 stages at 256-512 rows on every layer (gate_up at 256 rows 87 µs against 104), and faster than the 256-row
-    tile up to 384 rows. qkv / GDN-in (6144 < N <= 16384) take 256 batch rows from 385 (four row tiles of 128 leave
-    a second wave there: 63 µs against 77 at 512). down_proj (K 8704) at up to 160 rows has only 80 tiles for 132
-    SMs and takes two K slices (1.19x on the H200, 2026-12-03). A 128-row tile decodes its weights once for twice
-    the rows of a 64-row one. Every tile fits sm_120 (99 KiB of shared memory, no spills: make compile-check).
-    M <= 64 never comes here when served (the mma kernel and the GEMVs take those rows): those tiles are the earlier
-    one-code-per-thread benchmark's best (benchmarks/codes_gemm.py, 2026-12-01)."""
+    warpgroup whose W8 operand is 64 output rows (the 128-output, 8-warp tiles ran 1.4x slower; two warpgroups on 64
+    outputs 1.14x), 128 batch rows with a deep K step (BK 128) on 3 pipeline stages: against the same tile on 4
+    stages 1.14-1.26x on gate_up at 128-512 rows (at 256 rows 87 µs against 104), about 1.4x where three or four row
+    tiles crowd the grid, within 6 % elsewhere; and faster than the 256-row tile up to 384 rows. qkv / GDN-in (6144
+    < N <= 16384) take 256 batch rows from 385 (four row tiles of 128 leave a second wave there: 63 µs against 77 at
+    512). down_proj (K 8704) at up to 160 rows has only 80 tiles for 132 SMs and takes two K slices (1.19x on the
+    H200, 2026-12-03). A 128-row tile decodes its weights once for twice the rows of a 64-row one. Every tile fits
+    sm_120 (99 KiB of shared memory, no spills: make compile-check). M <= 64 never comes here when served (the mma
+    kernel and the GEMVs take those rows): those tiles are the earlier one-code-per-thread benchmark's best
+    (benchmarks/codes_gemm.py, 2026-12-01)."""
     if m <= 16:
         return Int8GemmConfig(bm=16, bn=32, bk=128, group_m=1, warps=4, stages=4, backend="codes")
     if m <= 64:
